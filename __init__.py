@@ -1,0 +1,33 @@
+"""Triton Accel: faster attention for diffusion models in ComfyUI, through Triton kernels.
+
+ComfyUI imports this folder as a package under whatever name it was cloned as, so every
+import inside the pack is relative. Outside ComfyUI (tests, benchmarks) the import still
+succeeds and the nodes are simply not registered; ``kernels`` stays usable on its own.
+"""
+import logging
+
+__version__ = "0.1.0"
+
+log = logging.getLogger("triton_accel")
+
+NODE_CLASS_MAPPINGS = {}
+NODE_DISPLAY_NAME_MAPPINGS = {}
+WEB_DIRECTORY = "./web"
+
+
+def _inside_comfyui() -> bool:
+    try:
+        import comfy.model_patcher  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+if _inside_comfyui():
+    # A broken pack must never take ComfyUI down with it: log, register nothing.
+    try:
+        from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: F811
+    except Exception:
+        log.exception("Triton Accel: the nodes could not be loaded; ComfyUI continues without them")
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY", "__version__"]
