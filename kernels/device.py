@@ -1,0 +1,69 @@
+"""What a device is and what it can do, as plain data.
+
+Kept free of Triton so the registry can explain itself on machines without it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    type: str  # "cuda", "cpu", ...
+    vendor: str  # "nvidia", "amd", "cpu", "other"
+    name: str
+    capability: tuple[int, int] | None  # (major, minor) on NVIDIA; gfx arch lives in `arch` on AMD
+    arch: str  # "sm90", "gfx942", "cpu"
+
+    @property
+    def arch_key(self) -> str:
+        """Key of the tuning table: the exact arch when we ship configs for it, else a family."""
+        return self.arch
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:
+        return None
+    return getattr(triton, "__version__", "unknown")
+
+
+def triton_import_error() -> str | None:
+    """Why Triton cannot be imported, or None when it can."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as e:  # ImportError, but also broken installs raising anything
+        return f"Triton is not installed ({type(e).__name__}: {e})" if isinstance(e, ImportError) else (
+            f"Triton failed to import: {type(e).__name__}: {e}")
+    return None
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+@lru_cache(maxsize=None)
+def _cuda_info(index: int) -> DeviceInfo:
+    props = torch.cuda.get_device_properties(index)
+    if getattr(torch.version, "hip", None):
+        arch = getattr(props, "gcnArchName", "gfx").split(":")[0]
+        return DeviceInfo("cuda", "amd", props.name, (props.major, props.minor), arch)
+    return DeviceInfo("cuda", "nvidia", props.name, (props.major, props.minor), f"sm{props.major}{props.minor}")
+
+
+def describe(device: torch.device | str | None = None) -> DeviceInfo:
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_info(index)
+    if device.type == "cpu":
+        return DeviceInfo("cpu", "cpu", "cpu", None, "cpu")
+    return DeviceInfo(device.type, "other", device.type, None, device.type)

@@ -1,0 +1,163 @@
+"""Implementations with declared constraints, and a selection that explains every refusal.
+
+An implementation declares what it can serve (device types, capability range, dtypes, head
+dims, masks, GQA, causal) and a priority. select() walks them by priority and returns the
+first that accepts the call, or raises with the reason each one refused. The same checks
+answer "can Triton serve this call, and if not why" for the ComfyUI nodes, so the nodes and
+the dispatch never disagree.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import device as _device
+
+log = logging.getLogger(__name__)
+
+
+class NoImplementationError(RuntimeError):
+    """No implementation accepted the call; `reasons` maps each name to why it refused."""
+
+    def __init__(self, op: str, reasons: dict[str, str]):
+        self.op = op
+        self.reasons = dict(reasons)
+        detail = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or "nothing registered"
+        super().__init__(f"no implementation of {op} can serve this call ({detail})")
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was asked for by name and cannot serve the call; the message says why."""
+
+    def __init__(self, op: str, backend: str, reason: str):
+        self.op, self.backend, self.reason = op, backend, reason
+        super().__init__(f"{op}: backend {backend!r} cannot serve this call: {reason}")
+
+
+@dataclass(frozen=True)
+class Call:
+    """The facts of one attention call that constraints look at (no tensors kept)."""
+
+    device: _device.DeviceInfo
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+    q_heads: int
+    kv_heads: int
+    mask: str  # "none", "bool", "additive"
+    mask_dtype: torch.dtype | None
+    is_causal: bool
+    batch: int = 1
+    q_len: int = 0
+    kv_len: int = 0
+
+
+@dataclass(frozen=True)
+class Constraints:
+    device_types: frozenset[str] = frozenset({"cuda"})
+    vendors: frozenset[str] | None = None  # None: any vendor of an allowed device type
+    min_capability: tuple[int, int] | None = None  # NVIDIA only
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    dtype_min_capability: dict = field(default_factory=dict)  # dtype -> capability, NVIDIA only
+    head_dims: tuple[int, int] = (1, 256)  # inclusive
+    same_head_dim_v: bool = True
+    masks: frozenset[str] = frozenset({"none", "bool", "additive"})
+    gqa: bool = True
+    causal: bool = True
+    cpu_needs_interpreter: bool = False  # Triton runs CPU tensors only through TRITON_INTERPRET=1
+
+    def check(self, call: Call) -> str | None:
+        """The first reason this call is refused, or None when accepted."""
+        dev = call.device
+        if dev.type not in self.device_types:
+            return f"device type {dev.type!r} not supported (needs {sorted(self.device_types)})"
+        if dev.type == "cpu" and self.cpu_needs_interpreter and not _device.interpreter_enabled():
+            return "CPU tensors need TRITON_INTERPRET=1 (set before triton is imported)"
+        if self.vendors is not None and dev.vendor not in self.vendors:
+            return f"vendor {dev.vendor!r} not supported"
+        if dev.vendor == "nvidia" and self.min_capability and dev.capability < self.min_capability:
+            return (f"compute capability {dev.capability[0]}.{dev.capability[1]} < required "
+                    f"{self.min_capability[0]}.{self.min_capability[1]} ({dev.name})")
+        if call.dtype not in self.dtypes:
+            return f"dtype {call.dtype} not supported"
+        need = self.dtype_min_capability.get(call.dtype)
+        if need and dev.vendor == "nvidia" and dev.capability < need:
+            return f"{call.dtype} needs compute capability >= {need[0]}.{need[1]} ({dev.name})"
+        lo, hi = self.head_dims
+        if not lo <= call.head_dim <= hi:
+            return f"head dim {call.head_dim} outside {lo}..{hi}"
+        if self.same_head_dim_v and call.head_dim_v != call.head_dim:
+            return f"value head dim {call.head_dim_v} != query head dim {call.head_dim}"
+        if call.mask not in self.masks:
+            return f"{call.mask} masks not supported"
+        if call.q_heads != call.kv_heads:
+            if not self.gqa:
+                return "grouped-query attention not supported"
+        if call.is_causal and not self.causal:
+            return "is_causal not supported"
+        return None
+
+
+@dataclass
+class Implementation:
+    name: str
+    op: str
+    fn: Callable
+    priority: int
+    constraints: Constraints
+    unavailable: str | None = None  # set when the implementation cannot run at all here
+
+    def refusal(self, call: Call) -> str | None:
+        if self.unavailable:
+            return self.unavailable
+        return self.constraints.check(call)
+
+
+class Registry:
+    def __init__(self):
+        self._impls: dict[str, dict[str, Implementation]] = {}
+        self._lock = threading.Lock()
+
+    def register(self, impl: Implementation) -> None:
+        with self._lock:
+            self._impls.setdefault(impl.op, {})[impl.name] = impl
+
+    def implementations(self, op: str) -> list[Implementation]:
+        return sorted(self._impls.get(op, {}).values(), key=lambda i: -i.priority)
+
+    def get(self, op: str, name: str) -> Implementation | None:
+        return self._impls.get(op, {}).get(name)
+
+    def select(self, op: str, call: Call, name: str | None = None) -> Implementation:
+        """The implementation for this call; with `name`, exactly that one or an error."""
+        if name is not None:
+            impl = self.get(op, name)
+            if impl is None:
+                known = ", ".join(i.name for i in self.implementations(op))
+                raise BackendUnavailableError(op, name, f"unknown backend (known: {known})")
+            reason = impl.refusal(call)
+            if reason:
+                raise BackendUnavailableError(op, name, reason)
+            return impl
+        reasons = {}
+        for impl in self.implementations(op):
+            reason = impl.refusal(call)
+            if reason is None:
+                return impl
+            reasons[impl.name] = reason
+        raise NoImplementationError(op, reasons)
+
+    def explain(self, op: str, call: Call) -> dict[str, str | None]:
+        """Every implementation's answer for this call: None means it would accept it."""
+        return {impl.name: impl.refusal(call) for impl in self.implementations(op)}
+
+    def describe(self) -> dict:
+        return {op: {i.name: {"priority": i.priority, "unavailable": i.unavailable} for i in impls.values()}
+                for op, impls in self._impls.items()}
+
+
+registry = Registry()
