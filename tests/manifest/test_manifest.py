@@ -106,7 +106,7 @@ def test_comfy_node_validate_and_pack(tmp_path):
 
     validate = _comfy("node", "validate", cwd=tmp_path)
     assert validate.returncode == 0, validate.stdout + validate.stderr
-    assert "passed" in validate.stdout
+    assert "passed" in validate.stdout + validate.stderr
 
     pack = _comfy("node", "pack", cwd=tmp_path)
     assert pack.returncode == 0, pack.stdout + pack.stderr
