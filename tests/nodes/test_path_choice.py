@@ -1,0 +1,85 @@
+"""The path each device gets, over a table of real cards x Triton versions."""
+import pytest
+
+from triton_accel.nodes.path_choice import (
+    PATH_PYTORCH, PATH_TRITON_FP16, PATH_TRITON_FP8, PATH_TRITON_INT8, DeviceFacts, select_path,
+)
+
+CARDS = {
+    "sm_61": ("NVIDIA GeForce GTX 1080 Ti", (6, 1)),
+    "sm_75": ("NVIDIA GeForce RTX 2080 Ti", (7, 5)),
+    "sm_80": ("NVIDIA A100-SXM4-80GB", (8, 0)),
+    "sm_86": ("NVIDIA GeForce RTX 3090", (8, 6)),
+    "sm_89": ("NVIDIA GeForce RTX 4090", (8, 9)),
+    "sm_90": ("NVIDIA H200", (9, 0)),
+    "sm_100": ("NVIDIA B200", (10, 0)),
+    "sm_120": ("NVIDIA GeForce RTX 5090", (12, 0)),
+}
+
+
+def nvidia(card, triton="3.6.0", **kw):
+    name, cap = CARDS[card]
+    return DeviceFacts(device="cuda:0", vendor="nvidia", name=name, capability=cap,
+                       arch=card, triton_version=triton, **kw)
+
+
+AMD = DeviceFacts(device="cuda:0", vendor="amd", name="AMD Radeon RX 7900 XTX", arch="gfx1100", triton_version="3.6.0")
+CPU = DeviceFacts(device="cpu", vendor="cpu", name="cpu", triton_version="3.6.0")
+INTEL = DeviceFacts(device="xpu:0", vendor="intel", name="Intel Arc A770", triton_version="3.6.0")
+
+# (facts, mode) -> (path, words the reason must contain, measure)
+TABLE = [
+    ("sm_61-any", nvidia("sm_61"), "auto", PATH_PYTORCH, ["sm_61", "sm_75"], False),
+    ("sm_61-forced", nvidia("sm_61"), "fp16", PATH_PYTORCH, ["sm_61"], False),
+    ("sm_75-triton-3.2", nvidia("sm_75", "3.2.0"), "auto", PATH_TRITON_FP16, ["sm_75", "FP16/BF16"], True),
+    ("sm_75-triton-3.3", nvidia("sm_75", "3.3.1"), "auto", PATH_PYTORCH, ["Turing", "3.3"], False),
+    ("sm_75-triton-3.6-forced", nvidia("sm_75", "3.6.0"), "fp16", PATH_PYTORCH, ["Turing"], False),
+    ("sm_80", nvidia("sm_80"), "auto", PATH_TRITON_FP16, ["sm_80"], True),
+    ("sm_86", nvidia("sm_86", "3.5.1"), "auto", PATH_TRITON_FP16, ["RTX 3090", "sm_86"], True),
+    ("sm_86-fp8-asked", nvidia("sm_86"), "fp8", PATH_TRITON_FP16, ["no FP8 tensor cores", "sm_89"], False),
+    ("sm_89-auto-no-fp8-kernel", nvidia("sm_89"), "auto", PATH_TRITON_FP16, ["FP8 attention is not in this release"], True),
+    ("sm_89-fp8-asked-no-kernel", nvidia("sm_89"), "fp8", PATH_TRITON_FP16, ["no FP8 attention kernel"], False),
+    ("sm_89-auto-fp8-kernel", nvidia("sm_89", implemented=frozenset({PATH_TRITON_FP16, PATH_TRITON_FP8})), "auto",
+     PATH_TRITON_FP8, ["FP8"], True),
+    ("sm_86-auto-int8-kernel", nvidia("sm_86", implemented=frozenset({PATH_TRITON_FP16, PATH_TRITON_INT8})), "auto",
+     PATH_TRITON_INT8, ["INT8"], True),
+    ("sm_90", nvidia("sm_90"), "auto", PATH_TRITON_FP16, ["H200", "sm_90"], True),
+    ("sm_90-fp16", nvidia("sm_90"), "fp16", PATH_TRITON_FP16, ["forced"], False),
+    ("sm_100", nvidia("sm_100"), "auto", PATH_TRITON_FP16, ["sm_100"], True),
+    ("sm_120-triton-3.6", nvidia("sm_120", "3.6.0"), "auto", PATH_TRITON_FP16, ["sm_120"], True),
+    ("sm_120-triton-3.2", nvidia("sm_120", "3.2.0"), "auto", PATH_PYTORCH, ["Blackwell", "3.3"], False),
+    ("no-triton", nvidia("sm_89", None), "auto", PATH_PYTORCH, ["not installed", "install.py"], False),
+    ("broken-triton", nvidia("sm_89", "3.5.0", triton_error="Triton failed to run a test kernel: DLL load failed"),
+     "auto", PATH_PYTORCH, ["DLL load failed"], False),
+    ("off", nvidia("sm_90"), "off", PATH_PYTORCH, ["off"], False),
+    ("amd", AMD, "auto", PATH_TRITON_FP16, ["gfx1100"], True),
+    ("intel", INTEL, "auto", PATH_PYTORCH, ["Intel"], False),
+    ("cpu-auto", CPU, "auto", PATH_PYTORCH, ["no GPU"], False),
+    ("cpu-forced-no-interpreter", CPU, "fp16", PATH_PYTORCH, ["no GPU"], False),
+    ("cpu-auto-interpreter", DeviceFacts(device="cpu", vendor="cpu", triton_version="3.6.0", interpreter=True),
+     "auto", PATH_PYTORCH, ["no GPU"], False),
+    ("cpu-forced-interpreter", DeviceFacts(device="cpu", vendor="cpu", triton_version="3.6.0", interpreter=True),
+     "fp16", PATH_TRITON_FP16, ["TRITON_INTERPRET"], False),
+]
+
+
+@pytest.mark.parametrize("facts, mode, path, words, measure", [pytest.param(*row[1:], id=row[0]) for row in TABLE])
+def test_path_choice(facts, mode, path, words, measure):
+    decision = select_path(facts, mode)
+    assert decision.path == path, decision.reason
+    for word in words:
+        assert word in decision.reason, decision.reason
+    assert decision.measure == measure
+
+
+def test_two_gpus_of_one_rig_get_their_own_paths():
+    rtx3090 = nvidia("sm_86")
+    rtx4090 = DeviceFacts(device="cuda:1", vendor="nvidia", name=CARDS["sm_89"][0], capability=(8, 9),
+                          triton_version="3.6.0", implemented=frozenset({PATH_TRITON_FP16, PATH_TRITON_FP8}))
+    assert select_path(rtx3090).path == PATH_TRITON_FP16
+    assert select_path(rtx4090).path == PATH_TRITON_FP8
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="unknown mode"):
+        select_path(CPU, "turbo")
