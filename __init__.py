@@ -12,7 +12,7 @@ log = logging.getLogger("triton_accel")
 
 NODE_CLASS_MAPPINGS = {}
 NODE_DISPLAY_NAME_MAPPINGS = {}
-WEB_DIRECTORY = "./web"
+WEB_DIRECTORY = "./web/js"
 
 
 def _inside_comfyui() -> bool:
@@ -27,6 +27,9 @@ if _inside_comfyui():
     # A broken pack must never take ComfyUI down with it: log, register nothing.
     try:
         from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: F811
+        from .nodes.routes import register_routes
+
+        register_routes()
     except Exception:
         log.exception("Triton Accel: the nodes could not be loaded; ComfyUI continues without them")
 

@@ -1,0 +1,73 @@
+"""Probe the facts of one device (what path_choice decides from). Cached per device."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import kernels
+from ..kernels import selfcheck
+from .path_choice import PATH_TRITON_FP16, DeviceFacts
+
+_cache: dict[str, DeviceFacts] = {}
+_lock = threading.Lock()
+
+
+def _normalise(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def implemented_paths() -> frozenset[str]:
+    """Attention paths this build ships and can run at all (Triton importable)."""
+    paths = set()
+    impl = kernels.registry.get("attention", "triton")
+    if impl is not None and not impl.unavailable:
+        paths.add(PATH_TRITON_FP16)
+    return frozenset(paths)
+
+
+def probe(device) -> DeviceFacts:
+    device = _normalise(device)
+    key = str(device)
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+    info = kernels.describe(device)
+    vram = 0
+    if device.type == "cuda":
+        vram = torch.cuda.get_device_properties(device).total_memory
+    vendor = {"nvidia": "nvidia", "amd": "amd", "cpu": "cpu"}.get(info.vendor, "intel" if device.type == "xpu" else "other")
+    triton_version = kernels.triton_version()
+    triton_error = kernels.triton_import_error()
+    if triton_error is None and triton_version is not None:
+        ok, message = selfcheck.triton_works(device) if (device.type != "cpu" or kernels.interpreter_enabled()) \
+            else (True, "")
+        triton_error = None if ok else message
+    arch = info.arch
+    if vendor == "nvidia" and info.capability:
+        arch = f"sm_{info.capability[0]}{info.capability[1]}"
+    facts = DeviceFacts(
+        device=key, vendor=vendor, name=info.name, capability=info.capability if vendor == "nvidia" else None,
+        arch=arch, vram_bytes=vram, torch_version=torch.__version__.split("+")[0],
+        triton_version=triton_version, triton_error=triton_error,
+        interpreter=kernels.interpreter_enabled(), implemented=implemented_paths(),
+    )
+    with _lock:
+        _cache[key] = facts
+    return facts
+
+
+def summary(facts: DeviceFacts) -> str:
+    parts = [facts.name or facts.device]
+    if facts.vendor == "nvidia" and facts.capability:
+        parts.append(f"sm_{facts.capability[0]}{facts.capability[1]}")
+    elif facts.arch:
+        parts.append(facts.arch)
+    if facts.vram_bytes:
+        parts.append(f"{facts.vram_bytes / 2**30:.0f} GiB")
+    parts.append(f"torch {facts.torch_version}")
+    parts.append(f"Triton {facts.triton_version}" if facts.triton_version else "no Triton")
+    return ", ".join(parts)

@@ -1,0 +1,209 @@
+"""TritonAccelPatchAttention: our attention in any model, through ComfyUI's per-model hook.
+
+ComfyUI's attention backends share `attention_X(q, k, v, heads, mask=None, attn_precision=None,
+skip_reshape=False, skip_output_reshape=False, **kwargs)`, and `wrap_attn` hands every call
+to `transformer_options["optimized_attention_override"](func, *args, **kwargs)` when a model
+carries one. The override below adapts such a call to `kernels.attention` and hands
+everything it cannot serve, unchanged, to `func` (or to an override that was there before).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import __version__ as PACK_VERSION
+from .. import kernels
+from . import call_stats
+from .device_probe import probe
+from .path_choice import PATH_PYTORCH
+from .settings import SETTINGS_TYPE, AccelSettings
+from .speed_choice import OURS, SpeedChoice, shape_class
+
+log = logging.getLogger("triton_accel")
+
+OVERRIDE_KEY = "optimized_attention_override"
+_PARAMS = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+# Keywords that do not change what attention computes, or that we honour below. Anything
+# else is a request we do not know, so the call goes to the original function.
+_KNOWN_KWARGS = {"transformer_options", "_inside_attn_wrapper", "scale", "enable_gqa",
+                 "low_precision_attention", "attn_precision"}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_speed_choice: SpeedChoice | None = None
+AUTO_KEPT_ORIGINAL = "auto: ComfyUI's attention measured faster (or not equal) at this shape"
+
+
+def _speed() -> SpeedChoice:
+    global _speed_choice
+    if _speed_choice is None:
+        _speed_choice = SpeedChoice()
+    return _speed_choice
+
+
+class Unsupported(Exception):
+    """This call goes to the original function; the message says why (counted per reason)."""
+
+
+def _is_compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:
+        return False
+
+
+def adapt_call(args: tuple, kwargs: dict) -> dict:
+    """ComfyUI's call as [B, H, L, D] tensors, or Unsupported with the reason."""
+    if len(args) > len(_PARAMS):
+        raise Unsupported("more positional arguments than ComfyUI's attention takes")
+    call = dict(zip(_PARAMS, args))
+    for name in _PARAMS:
+        if name in kwargs:
+            if name in call:
+                raise Unsupported(f"argument {name} given twice")
+            call[name] = kwargs[name]
+    unknown = set(kwargs) - set(_PARAMS) - _KNOWN_KWARGS
+    if unknown:
+        raise Unsupported(f"unknown keyword {sorted(unknown)[0]}")
+    q, k, v, heads = call.get("q"), call.get("k"), call.get("v"), call.get("heads")
+    if not all(type(t) is torch.Tensor for t in (q, k, v)):
+        raise Unsupported("q/k/v are not plain tensors")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise Unsupported(f"dtype {q.dtype}/{k.dtype}/{v.dtype}")
+    if q.dtype == torch.float32 and kwargs.get("low_precision_attention", True) is False:
+        # Our fp32 path runs its dots in TF32 on GPUs; a full-precision request is not ours to serve.
+        raise Unsupported("low_precision_attention=False with float32 inputs")
+    enable_gqa = bool(kwargs.get("enable_gqa", False))
+
+    if call.get("skip_reshape", False):
+        if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+            raise Unsupported("skip_reshape with tensors that are not [B, H, L, D]")
+        b, dim_head = q.shape[0], q.shape[-1]
+        out_heads = q.shape[1]
+    else:
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or not isinstance(heads, int) or heads <= 0:
+            raise Unsupported("layout is not [B, L, heads * D]")
+        b = q.shape[0]
+        if q.shape[-1] % heads:
+            raise Unsupported("hidden size is not a multiple of heads")
+        dim_head = q.shape[-1] // heads
+        kv_heads = k.shape[-1] // dim_head if enable_gqa else heads
+        if k.shape[-1] != kv_heads * dim_head or v.shape[-1] != kv_heads * dim_head:
+            raise Unsupported("key/value hidden size does not match the heads")
+        # Views, not copies: the kernel reads through strides.
+        q = q.view(b, q.shape[1], heads, dim_head).transpose(1, 2)
+        k = k.view(b, k.shape[1], kv_heads, dim_head).transpose(1, 2)
+        v = v.view(b, v.shape[1], kv_heads, dim_head).transpose(1, 2)
+        out_heads = heads
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise Unsupported("query and key heads differ without enable_gqa")
+
+    mask = call.get("mask")
+    if mask is not None:
+        if type(mask) is not torch.Tensor:
+            raise Unsupported("mask is not a tensor")
+        # The same promotions as ComfyUI's attention_pytorch: [Lq, Lk] and [B, Lq, Lk] masks.
+        if mask.ndim == 2:
+            mask = mask.unsqueeze(0)
+        if mask.ndim == 3:
+            mask = mask.unsqueeze(1)
+        if mask.dtype != torch.bool and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+    return {"q": q, "k": k, "v": v, "mask": mask, "scale": kwargs.get("scale"), "batch": b,
+            "heads": out_heads, "dim_head": dim_head,
+            "skip_output_reshape": bool(call.get("skip_output_reshape", False))}
+
+
+class AttentionOverride:
+    """The callable stored in transformer_options; shared by clones, never copied."""
+
+    def __init__(self, settings: AccelSettings, previous=None):
+        self.settings = settings
+        self.previous = previous
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _original(self, func, args, kwargs, reason: str):
+        call_stats.record("original", reason)
+        if self.previous is not None:
+            return self.previous(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    def __call__(self, func, *args, **kwargs):
+        try:
+            call = adapt_call(args, kwargs)
+        except Unsupported as e:
+            return self._original(func, args, kwargs, str(e))
+        q, k, v, mask = call["q"], call["k"], call["v"], call["mask"]
+        decision = self.settings.decision_for(q.device)
+        if decision.path == PATH_PYTORCH:
+            return self._original(func, args, kwargs, decision.reason)
+        ok, reason = kernels.attention_support(q, k, v, mask)
+        if not ok:
+            return self._original(func, args, kwargs, reason)
+
+        def ours():
+            out = kernels.attention(q, k, v, attn_mask=mask, scale=call["scale"], backend="triton")
+            if call["skip_output_reshape"]:
+                return out
+            return out.transpose(1, 2).reshape(call["batch"], -1, call["heads"] * call["dim_head"])
+
+        if decision.measure and q.device.type == "cuda":
+            facts = probe(q.device)
+            key = "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
+                            f"pack {PACK_VERSION}", decision.path, shape_class(q, k, mask)])
+            if _is_compiling():
+                # No timing inside a trace: use an earlier measurement, else stay on ComfyUI's.
+                if _speed().known(key) != OURS:
+                    return self._original(func, args, kwargs, "auto: not measured yet (torch.compile)")
+            else:
+                def original():
+                    return (self.previous(func, *args, **kwargs) if self.previous is not None
+                            else func(*args, **kwargs))
+
+                choice, out = _speed().choose(key, ours, original, q.device)
+                if choice != OURS:
+                    if out is None:
+                        return self._original(func, args, kwargs, AUTO_KEPT_ORIGINAL)
+                    call_stats.record("original", AUTO_KEPT_ORIGINAL)
+                    return out
+                if out is not None:
+                    call_stats.record("triton")
+                    return out
+        call_stats.record("triton")
+        return ours()
+
+
+def patch_model(model, settings: AccelSettings | None = None):
+    """A clone of `model` whose attention goes through our override."""
+    settings = settings or AccelSettings("auto")
+    patched = model.clone()
+    to = patched.model_options.setdefault("transformer_options", {})
+    # Wrap, never erase, an override another node installed: calls we hand back go through it.
+    to[OVERRIDE_KEY] = AttentionOverride(settings, previous=to.get(OVERRIDE_KEY))
+    return patched
+
+
+class TritonAccelPatchAttention:
+    CATEGORY = "Triton Accel"
+    DESCRIPTION = ("Puts Triton Accel's attention into a model (SD1.5, SDXL, SD3, Flux, Wan, HunyuanVideo, LTXV, "
+                   "Qwen-Image, Lumina 2...). Calls it cannot serve go to ComfyUI's own attention.")
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The same model with Triton Accel attention (the input model is left untouched).",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "The diffusion model to speed up (from a loader or a LoRA node)."}),
+            },
+            "optional": {
+                "settings": (SETTINGS_TYPE, {
+                    "tooltip": "From Triton Accel Settings. Not connected: auto (the fastest safe path per GPU)."}),
+            },
+        }
+
+    def patch(self, model, settings: AccelSettings | None = None):
+        return (patch_model(model, settings),)

@@ -1,0 +1,123 @@
+"""auto mode: time our kernel against ComfyUI's own attention at the shapes a model sends.
+
+A GPU we have no measured figures for must never get slower: the first call of each shape
+class runs both, keeps the faster (and only if both agree numerically), and remembers the
+answer on disk, keyed by GPU, shape class and every version that changes the speed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+WARMUP_RUNS = 2
+TIMED_RUNS = 5
+# Outputs further apart than this mean something is wrong with one path; keep ComfyUI's.
+MAX_REL_L2_DIFFERENCE = 2e-2
+
+OURS = "triton"
+ORIGINAL = "original"
+
+
+def _bucket(n: int) -> int:
+    """Lengths grouped by the next power of two: speed ordering is stable inside a bucket."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def shape_class(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> str:
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    mask_kind = "none" if mask is None else ("bool" if mask.dtype == torch.bool else "additive")
+    return f"b{b}-h{hq}/{hk}-q{_bucket(lq)}-k{_bucket(lk)}-d{d}-{str(q.dtype).replace('torch.', '')}-{mask_kind}"
+
+
+def default_cache_file() -> Path:
+    base = os.environ.get("TRITON_ACCEL_CACHE_DIR")
+    if not base:
+        try:
+            import folder_paths  # ComfyUI's; keeps the cache with the user's other settings
+
+            base = os.path.join(folder_paths.get_user_directory(), "triton_accel")
+        except Exception:
+            base = os.path.join(os.path.expanduser("~"), ".cache", "triton_accel")
+    return Path(base) / "attention_speed.json"
+
+
+def _time_ms(fn, device: torch.device) -> tuple[float, torch.Tensor]:
+    out = None
+    for _ in range(WARMUP_RUNS):
+        out = fn()
+    times = []
+    for _ in range(TIMED_RUNS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), out
+
+
+class SpeedChoice:
+    def __init__(self, cache_file: Path | None = None):
+        self.cache_file = Path(cache_file) if cache_file else default_cache_file()
+        self._lock = threading.Lock()
+        self._entries: dict[str, dict] | None = None
+
+    def _load(self) -> dict[str, dict]:
+        if self._entries is None:
+            try:
+                data = json.loads(self.cache_file.read_text())
+                self._entries = data["entries"] if data.get("version") == CACHE_VERSION else {}
+            except (OSError, ValueError, KeyError, TypeError):
+                self._entries = {}
+        return self._entries
+
+    def _save(self) -> None:
+        try:
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.cache_file.parent, prefix=".attention_speed.")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": CACHE_VERSION, "entries": self._entries}, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.cache_file)  # atomic: two ComfyUI processes never see half a file
+        except OSError:
+            log.warning("Triton Accel: could not write %s; timings are kept in memory only", self.cache_file)
+
+    def known(self, key: str) -> str | None:
+        with self._lock:
+            entry = self._load().get(key)
+        return entry["choice"] if entry else None
+
+    def choose(self, key: str, ours, original, device: torch.device):
+        """(choice, output): the faster of two equivalent functions, measured once per key."""
+        with self._lock:
+            entry = self._load().get(key)
+            if entry:
+                return entry["choice"], None
+            ours_ms, ours_out = _time_ms(ours, device)
+            original_ms, original_out = _time_ms(original, device)
+            ref = original_out.float()
+            diff = ((ours_out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+            if not diff <= MAX_REL_L2_DIFFERENCE:  # NaN lands here too
+                choice, why = ORIGINAL, f"outputs differ (rel. L2 {diff:.2e})"
+                log.warning("Triton Accel: our attention disagrees with ComfyUI's at %s (%s); keeping ComfyUI's",
+                            key, why)
+            elif ours_ms < original_ms:
+                choice, why = OURS, "faster"
+            else:
+                choice, why = ORIGINAL, "not faster"
+            self._entries[key] = {"choice": choice, "ours_ms": round(ours_ms, 4),
+                                  "original_ms": round(original_ms, 4), "rel_l2": diff}
+            log.info("Triton Accel: %s: ours %.3f ms, ComfyUI's %.3f ms -> %s (%s)",
+                     key, ours_ms, original_ms, choice, why)
+            self._save()
+            return choice, (ours_out if choice == OURS else original_out)
