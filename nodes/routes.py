@@ -21,6 +21,8 @@ def register_routes() -> bool:
         from server import PromptServer
     except Exception:
         return False
+    if getattr(PromptServer, "instance", None) is None:  # imported outside a running server
+        return False
     routes = PromptServer.instance.routes
 
     @routes.get("/triton_accel/stats")
