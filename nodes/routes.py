@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from .. import kernels
 from . import call_stats
@@ -16,14 +17,15 @@ def stats_payload() -> dict:
 
 
 def register_routes() -> bool:
-    try:
-        from aiohttp import web
-        from server import PromptServer
-    except Exception:
+    # Only a running ComfyUI has imported its server module; importing it ourselves would drag
+    # the whole server stack into scripts and benchmarks that merely load the pack.
+    server = sys.modules.get("server")
+    prompt_server = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if prompt_server is None:
         return False
-    if getattr(PromptServer, "instance", None) is None:  # imported outside a running server
-        return False
-    routes = PromptServer.instance.routes
+    from aiohttp import web
+
+    routes = prompt_server.routes
 
     @routes.get("/triton_accel/stats")
     async def get_stats(request):
