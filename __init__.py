@@ -15,6 +15,32 @@ NODE_DISPLAY_NAME_MAPPINGS = {}
 WEB_DIRECTORY = "./web/js"
 
 
+def _apply_install_config() -> None:
+    """Settings install.py wrote for this machine, applied before anything imports triton.
+
+    install.py writes triton_accel.json only when the default Triton cache is unusable (a
+    non-ASCII or read-only user folder on Windows); a TRITON_CACHE_DIR the user set wins.
+    """
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_accel.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        log.warning("Triton Accel: ignoring unreadable %s", path)
+        return
+    cache_dir = config.get("triton_cache_dir") if isinstance(config, dict) else None
+    if cache_dir:
+        os.environ.setdefault("TRITON_CACHE_DIR", cache_dir)
+
+
+_apply_install_config()
+
+
 def _inside_comfyui() -> bool:
     try:
         import comfy.model_patcher  # noqa: F401
