@@ -1,0 +1,19 @@
+#!/bin/bash
+# On the GPU box (device tool): carried wheels -> FP8 kernel check -> end-to-end ComfyUI steps.
+# Needs .whl (sageattention, comfy_kitchen as ck.zip, comfy-aimdo, torchsde, trampoline) and a
+# ComfyUI tree (python files only suffice) carried in .ext/comfy-slim.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+mkdir -p /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "wheel install failed"
+[ -f .whl/ck.zip ] && python3 -m zipfile -e .whl/ck.zip /tmp/site
+export PYTHONPATH=/tmp/site
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/nvsmi.txt"
+if [ -f benchmarks/check_fp8.py ]; then
+    timeout "${FP8_TIMEOUT:-150}" python3 benchmarks/check_fp8.py 2>&1 | tee "$OUT/fp8.log"
+fi
+timeout "${E2E_TIMEOUT:-400}" python3 benchmarks/e2e_comfyui.py --comfyui .ext/comfy-slim --out "$OUT" "$@" 2>&1 \
+    | tee "$OUT/e2e.log"
