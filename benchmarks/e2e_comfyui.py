@@ -9,6 +9,7 @@ with:
   sage         ComfyUI's SageAttention path (sageattention 1.0.6, Triton)
   ours-auto    TritonAccelPatchAttention with settings auto
   ours-triton  TritonAccelPatchAttention with settings fp16 (our kernel forced)
+  ours-fp8     TritonAccelPatchAttention with settings fp8 (our FP8 Q.K kernel forced, sm_89+)
 and reports each variant's ms/step, its ratio to the default, and the relative L2 difference
 of its output from the default's.
 
@@ -152,7 +153,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH", str(ROOT / ".ext" / "ComfyUI-0.29.0")))
     ap.add_argument("--models", nargs="+", default=["flux", "wan"])
-    ap.add_argument("--variants", nargs="+", default=["default", "sdpa-flash", "sage", "ours-auto", "ours-triton"])
+    ap.add_argument("--variants", nargs="+", default=["default", "sdpa-flash", "sage", "ours-auto", "ours-triton", "ours-fp8"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "benchmarks" / "results")))
@@ -201,6 +202,8 @@ def main():
                 patcher = patch_model(base, AccelSettings("auto"))
             elif variant == "ours-triton":
                 patcher = patch_model(base, AccelSettings("fp16"))
+            elif variant == "ours-fp8":
+                patcher = patch_model(base, AccelSettings("fp8"))
             call_stats.reset()
             try:
                 with ctx:
@@ -214,7 +217,8 @@ def main():
                 ref = out
             diff = ((out - ref).norm() / ref.norm()).item()
             row = dict(model=name, variant=variant, ms_per_step=ms, rel_l2_vs_default=diff,
-                       finite=bool(torch.isfinite(out).all()), calls=call_stats.snapshot()["calls"])
+                       finite=bool(torch.isfinite(out).all()), calls=call_stats.snapshot()["calls"],
+                       paths=call_stats.snapshot()["paths"])
             results.append(row)
             print(f"[{name}] {variant}: {ms:.1f} ms/step, rel L2 vs default {diff:.2e}, calls {row['calls']}",
                   flush=True)
@@ -237,7 +241,7 @@ def main():
                 continue
             ratio = default / r["ms_per_step"] if default else float("nan")
             print(f"{name:6} {r['variant']:12} {r['ms_per_step']:9.1f} {ratio:9.3f}x {r['rel_l2_vs_default']:9.2e}"
-                  f"  {r['calls']}")
+                  f"  {r['calls']} {r['paths']}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/nvsmi.txt"
 if [ -f benchmarks/check_fp8.py ]; then
-    timeout "${FP8_TIMEOUT:-150}" python3 benchmarks/check_fp8.py 2>&1 | tee "$OUT/fp8.log"
+    timeout "${FP8_TIMEOUT:-150}" python3 benchmarks/check_fp8.py --shapes flux,wan 2>&1 | tee "$OUT/fp8.log"
 fi
 timeout "${E2E_TIMEOUT:-400}" python3 benchmarks/e2e_comfyui.py --comfyui .ext/comfy-slim --out "$OUT" "$@" 2>&1 \
     | tee "$OUT/e2e.log"

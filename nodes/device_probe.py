@@ -7,7 +7,7 @@ import torch
 
 from .. import kernels
 from ..kernels import selfcheck
-from .path_choice import PATH_TRITON_FP16, DeviceFacts
+from .path_choice import PATH_TRITON_FP8, PATH_TRITON_FP16, DeviceFacts
 
 _cache: dict[str, DeviceFacts] = {}
 _lock = threading.Lock()
@@ -23,9 +23,10 @@ def _normalise(device) -> torch.device:
 def implemented_paths() -> frozenset[str]:
     """Attention paths this build ships and can run at all (Triton importable)."""
     paths = set()
-    impl = kernels.registry.get("attention", "triton")
-    if impl is not None and not impl.unavailable:
-        paths.add(PATH_TRITON_FP16)
+    for path, name in ((PATH_TRITON_FP16, "triton_attention"), (PATH_TRITON_FP8, "triton_fp8")):
+        impl = kernels.registry.get("attention", name)
+        if impl is not None and not impl.unavailable:
+            paths.add(path)
     return frozenset(paths)
 
 

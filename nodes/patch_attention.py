@@ -16,9 +16,9 @@ from .. import __version__ as PACK_VERSION
 from .. import kernels
 from . import call_stats
 from .device_probe import probe
-from .path_choice import PATH_PYTORCH
+from .path_choice import PATH_PYTORCH, PATH_TRITON_FP8, PATH_TRITON_FP16
 from .settings import SETTINGS_TYPE, AccelSettings
-from .speed_choice import OURS, SpeedChoice, shape_class
+from .speed_choice import ORIGINAL, SpeedChoice, shape_class
 
 log = logging.getLogger("triton_accel")
 
@@ -31,6 +31,9 @@ _KNOWN_KWARGS = {"transformer_options", "_inside_attn_wrapper", "scale", "enable
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _speed_choice: SpeedChoice | None = None
+# The kernels' registry name for each path the nodes choose.
+BACKEND_OF_PATH = {PATH_TRITON_FP16: "triton", PATH_TRITON_FP8: "fp8"}
+LOSSY_PATHS = {PATH_TRITON_FP8}
 AUTO_KEPT_ORIGINAL = "auto: ComfyUI's attention measured faster (or not equal) at this shape"
 
 
@@ -139,40 +142,55 @@ class AttentionOverride:
         decision = self.settings.decision_for(q.device)
         if decision.path == PATH_PYTORCH:
             return self._original(func, args, kwargs, decision.reason)
-        ok, reason = kernels.attention_support(q, k, v, mask)
-        if not ok:
-            return self._original(func, args, kwargs, reason)
+        full_precision = kwargs.get("low_precision_attention", True) is False
+        usable, refusals = [], []
+        for path in decision.candidates:
+            if full_precision and path in LOSSY_PATHS:
+                refusals.append(f"{path}: full precision requested")
+                continue
+            ok, reason = kernels.attention_support(q, k, v, mask, backend=BACKEND_OF_PATH[path])
+            (usable.append(path) if ok else refusals.append(reason))
+        if not usable:
+            return self._original(func, args, kwargs, "; ".join(refusals) or "no candidate path")
 
-        def ours():
-            out = kernels.attention(q, k, v, attn_mask=mask, scale=call["scale"], backend="triton")
-            if call["skip_output_reshape"]:
-                return out
-            return out.transpose(1, 2).reshape(call["batch"], -1, call["heads"] * call["dim_head"])
+        def runner(path):
+            backend = BACKEND_OF_PATH[path]
+
+            def run():
+                out = kernels.attention(q, k, v, attn_mask=mask, scale=call["scale"], backend=backend)
+                if call["skip_output_reshape"]:
+                    return out
+                return out.transpose(1, 2).reshape(call["batch"], -1, call["heads"] * call["dim_head"])
+            return run
 
         if decision.measure and q.device.type == "cuda":
             facts = probe(q.device)
             key = "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
-                            f"pack {PACK_VERSION}", decision.path, shape_class(q, k, mask)])
+                            f"pack {PACK_VERSION}", "+".join(usable), shape_class(q, k, mask)])
             if _is_compiling():
                 # No timing inside a trace: use an earlier measurement, else stay on ComfyUI's.
-                if _speed().known(key) != OURS:
+                known = _speed().known(key)
+                if known not in usable:
                     return self._original(func, args, kwargs, "auto: not measured yet (torch.compile)")
-            else:
-                def original():
-                    return (self.previous(func, *args, **kwargs) if self.previous is not None
-                            else func(*args, **kwargs))
+                call_stats.record("triton", path=known)
+                return runner(known)()
 
-                choice, out = _speed().choose(key, ours, original, q.device)
-                if choice != OURS:
-                    if out is None:
-                        return self._original(func, args, kwargs, AUTO_KEPT_ORIGINAL)
-                    call_stats.record("original", AUTO_KEPT_ORIGINAL)
-                    return out
-                if out is not None:
-                    call_stats.record("triton")
-                    return out
-        call_stats.record("triton")
-        return ours()
+            def original():
+                return (self.previous(func, *args, **kwargs) if self.previous is not None
+                        else func(*args, **kwargs))
+
+            candidates = {path: runner(path) for path in usable}
+            candidates[ORIGINAL] = original
+            choice, out = _speed().choose(key, candidates, q.device)
+            if choice == ORIGINAL:
+                if out is None:
+                    return self._original(func, args, kwargs, AUTO_KEPT_ORIGINAL)
+                call_stats.record("original", AUTO_KEPT_ORIGINAL)
+                return out
+            call_stats.record("triton", path=choice)
+            return out if out is not None else runner(choice)()
+        call_stats.record("triton", path=usable[0])
+        return runner(usable[0])()
 
 
 def patch_model(model, settings: AccelSettings | None = None):

@@ -43,6 +43,13 @@ class Decision:
     # auto mode: the first calls of each shape class time our kernel against the original
     # function and keep the faster (a GPU we have no measured speed for must never slow down).
     measure: bool = False
+    # Paths to use, best first: a call one cannot serve (fp32 inputs for FP8, say) takes the
+    # next; in auto all of them are timed against ComfyUI's attention.
+    candidates: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.candidates and self.path != PATH_PYTORCH:
+            object.__setattr__(self, "candidates", (self.path,))
 
     @property
     def uses_triton(self) -> bool:
@@ -121,17 +128,21 @@ def select_path(facts: DeviceFacts, mode: str = "auto") -> Decision:
         if PATH_TRITON_FP8 not in facts.implemented:
             return Decision(PATH_TRITON_FP16, "fp8 asked, but this release has no FP8 attention kernel yet: "
                                               "using Triton FP16/BF16 instead")
-        return Decision(PATH_TRITON_FP8, f"fp8 forced on {where} ({arch})")
+        return Decision(PATH_TRITON_FP8, f"fp8 forced on {where} ({arch}) (FP16/BF16 for calls FP8 cannot serve)",
+                        candidates=(PATH_TRITON_FP8, PATH_TRITON_FP16))
     if mode == "fp16":
         return Decision(PATH_TRITON_FP16, f"fp16 forced: Triton FP16/BF16 attention on {where} ({arch})")
 
     # auto
     if fp8_capable and PATH_TRITON_FP8 in facts.implemented:
-        return Decision(PATH_TRITON_FP8, f"auto: {where} ({arch}) has FP8 tensor cores: Triton FP8 attention, "
-                                         "timed against ComfyUI's attention per shape", measure=True)
+        return Decision(PATH_TRITON_FP8, f"auto: {where} ({arch}) has FP8 tensor cores: Triton FP8 and FP16/BF16 "
+                                         "attention, each timed against ComfyUI's attention per shape; the "
+                                         "fastest that matches it is kept", measure=True,
+                        candidates=(PATH_TRITON_FP8, PATH_TRITON_FP16))
     if not fp8_capable and PATH_TRITON_INT8 in facts.implemented:
-        return Decision(PATH_TRITON_INT8, f"auto: {where} ({arch}): Triton INT8 Q.K attention, "
-                                          "timed against ComfyUI's attention per shape", measure=True)
+        return Decision(PATH_TRITON_INT8, f"auto: {where} ({arch}): Triton INT8 Q.K and FP16/BF16 attention, "
+                                          "timed against ComfyUI's attention per shape", measure=True,
+                        candidates=(PATH_TRITON_INT8, PATH_TRITON_FP16))
     note = " (FP8 attention is not in this release yet)" if fp8_capable else ""
     return Decision(PATH_TRITON_FP16, f"auto: {where} ({arch}): Triton FP16/BF16 attention{note}, "
                                       "timed against ComfyUI's attention per shape; the faster one is kept",

@@ -199,3 +199,25 @@ def test_adapt_call_reads_views_without_copies():
 def test_adapt_call_refuses_heads_that_do_not_divide():
     with pytest.raises(Unsupported, match="multiple of heads"):
         adapt_call((_rand(1, 4, 30), _rand(1, 4, 30), _rand(1, 4, 30), 4), {})
+
+
+def test_forced_fp8_runs_the_fp8_kernel_and_fp32_calls_take_fp16():
+    from triton_accel.nodes.path_choice import PATH_TRITON_FP8, PATH_TRITON_FP16, Decision
+
+    class FP8Settings(AccelSettings):
+        def decision_for(self, device):
+            return Decision(PATH_TRITON_FP8, "test", candidates=(PATH_TRITON_FP8, PATH_TRITON_FP16))
+
+    override = AttentionOverride(FP8Settings("fp8"))
+    q, k, v = (torch.randn(1, 24, 2 * 64, dtype=torch.float16) for _ in range(3))
+    out = _run(override, q, k, v, 2)
+    expected = comfy_attention_pytorch(q.float(), k.float(), v.float(), 2)
+    rel = ((out.float() - expected).norm() / expected.norm()).item()
+    assert rel < 6e-2  # e4m3 Q.K on Gaussian inputs (the kernel's own tests bound it tighter)
+    assert call_stats.snapshot()["paths"] == {PATH_TRITON_FP8: 1}
+    # fp32 inputs: the FP8 kernel refuses them, the FP16/BF16 kernel serves them.
+    _run(override, *(t.float() for t in (q, k, v)), 2)
+    assert call_stats.snapshot()["paths"] == {PATH_TRITON_FP8: 1, PATH_TRITON_FP16: 1}
+    # A full-precision request never goes to the lossy path.
+    _run(override, q, k, v, 2, low_precision_attention=False)
+    assert call_stats.snapshot()["paths"] == {PATH_TRITON_FP8: 1, PATH_TRITON_FP16: 2}

@@ -83,3 +83,11 @@ def test_two_gpus_of_one_rig_get_their_own_paths():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="unknown mode"):
         select_path(CPU, "turbo")
+
+
+def test_candidates_fall_back_from_quantised_to_fp16():
+    fp8 = nvidia("sm_89", implemented=frozenset({PATH_TRITON_FP16, PATH_TRITON_FP8}))
+    assert select_path(fp8, "auto").candidates == (PATH_TRITON_FP8, PATH_TRITON_FP16)
+    assert select_path(fp8, "fp8").candidates == (PATH_TRITON_FP8, PATH_TRITON_FP16)
+    assert select_path(fp8, "fp16").candidates == (PATH_TRITON_FP16,)
+    assert select_path(nvidia("sm_61"), "auto").candidates == ()
