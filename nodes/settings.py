@@ -96,10 +96,12 @@ class TritonAccelSettings:
 
     def configure(self, mode: str, device: str = "auto"):
         settings = AccelSettings(mode)
-        target = _default_device() if device.strip() in ("", "auto") else torch.device(device.strip())
+        target = device
         try:
+            target = _default_device() if device.strip() in ("", "auto") else torch.device(device.strip())
             text = describe_decision(settings, target)
         except Exception as e:  # a bad device string or a broken driver: say so, keep the graph running
             log.warning("Triton Accel: could not probe %s", target, exc_info=True)
-            text = f"Could not probe {target}: {type(e).__name__}: {e}"
+            text = (f"Could not probe device {str(target)!r}: {type(e).__name__}: {e}. The model still runs; "
+                    "each GPU gets its own decision when the model runs on it.")
         return {"ui": {"text": [text]}, "result": (settings,)}

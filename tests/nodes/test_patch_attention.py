@@ -221,3 +221,15 @@ def test_forced_fp8_runs_the_fp8_kernel_and_fp32_calls_take_fp16():
     # A full-precision request never goes to the lossy path.
     _run(override, q, k, v, 2, low_precision_attention=False)
     assert call_stats.snapshot()["paths"] == {PATH_TRITON_FP8: 1, PATH_TRITON_FP16: 2}
+
+
+def test_settings_node_reports_on_the_node_and_survives_a_bad_device():
+    from triton_accel.nodes.settings import TritonAccelSettings
+
+    node = TritonAccelSettings()
+    result = node.configure("fp16", "cpu")
+    assert isinstance(result["result"][0], AccelSettings)
+    assert "TRITON_INTERPRET" in result["ui"]["text"][0]
+    bad = node.configure("auto", "gpu0")
+    assert "Could not probe device 'gpu0'" in bad["ui"]["text"][0]
+    assert bad["result"][0].mode == "auto"
