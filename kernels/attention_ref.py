@@ -1,0 +1,38 @@
+"""Float32 reference attention with the same signature as kernels.attention.
+
+Materialises the full score matrix, so it is for tests and small shapes only. Fully masked
+query rows give zeros, the behaviour PyTorch SDPA has (checked on torch 2.13) and the one
+our kernel implements.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_ref(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None):
+    del backend  # same signature as kernels.attention; the reference has one path
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if Hkv != H:
+        kf = kf.repeat_interleave(H // Hkv, dim=1)
+        vf = vf.repeat_interleave(H // Hkv, dim=1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    allowed = torch.ones(B, H, Lq, Lk, dtype=torch.bool, device=q.device)
+    if is_causal:
+        allowed &= torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            allowed = allowed & attn_mask.expand(B, H, Lq, Lk)
+        else:
+            s = s + attn_mask.float().expand(B, H, Lq, Lk)
+    s = s.masked_fill(~allowed, float("-inf"))
+    row_max = s.amax(dim=-1, keepdim=True)
+    dead = torch.isneginf(row_max)
+    p = torch.exp(s - torch.where(dead, torch.zeros_like(row_max), row_max))
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.matmul(p / torch.where(denom == 0, torch.ones_like(denom), denom), vf)
+    return out
