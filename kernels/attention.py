@@ -211,7 +211,13 @@ def _dispatch(q, k, v, attn_mask, scale, is_causal, backend):
             _decisions.clear()
         _decisions[key] = impl
     stats.increment(impl.name)
-    out = impl.fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        # Triton launches on the current device; on a rig with two GPUs the model on the
+        # second one would otherwise hand device-1 pointers to a device-0 launch.
+        with torch.cuda.device(q.device):
+            out = impl.fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+    else:
+        out = impl.fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
     # The fake promises empty_like(q)'s layout; keep that promise on every path (the
     # Triton launcher allocates with empty_like itself).
     if impl.fn is not _triton and out.stride() != _expected_strides(q):
