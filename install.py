@@ -832,8 +832,8 @@ def plan(f: Facts, options: Optional[Options] = None) -> Plan:
     if f.torch_version and not f.torch_error:
         if is_rocm:
             add("ROCM", "info",
-                f"torch is a ROCm build (HIP {f.torch_hip}); the pack's Triton kernels target NVIDIA GPUs, "
-                f"so it uses PyTorch attention here.")
+                f"torch is a ROCm build (HIP {f.torch_hip}); the pack's Triton kernels are not validated on AMD "
+                f"GPUs yet, so auto uses PyTorch attention here (fp16 in the Settings node tries them).")
             blocked.append("ROCm is not supported by the pack's kernels")
         elif not f.cuda_available or not gpu:
             if f.torch_cuda:

@@ -118,6 +118,11 @@ def select_path(facts: DeviceFacts, mode: str = "auto") -> Decision:
         return Decision(PATH_TRITON_FP16, f"{mode} forced on the CPU through TRITON_INTERPRET=1: "
                                           "Triton FP16/BF16 kernel in the interpreter (tests only, very slow)")
 
+    if facts.vendor == "amd" and mode == "auto":
+        # The kernels compile for gfx942 / gfx1100 but have never run on AMD hardware here.
+        return Decision(PATH_PYTORCH, f"PyTorch attention: our kernels are not validated on AMD GPUs yet "
+                                      f"({where}, {facts.arch}); choose fp16 to try them")
+
     fp8_capable = facts.vendor == "nvidia" and facts.capability >= (8, 9)
     arch = _sm(facts.capability) if facts.capability and facts.vendor == "nvidia" else (facts.arch or facts.vendor)
 

@@ -406,8 +406,8 @@ MESSAGES = [
      "Free-threaded Python 3.13.9t: triton-windows' bundled TinyCC cannot build for it; Triton then needs MSVC.",
      "Install Visual Studio Build Tools with 'Desktop development with C++', or use a regular (GIL) Python."),
     ("ROCM", linux("2.9.1+rocm6.4", None, requires=TORCH29_ROCM_REQ, torch_hip="6.4.43482"), "ROCM",
-     "torch is a ROCm build (HIP 6.4.43482); the pack's Triton kernels target NVIDIA GPUs, so it uses PyTorch "
-     "attention here.", ""),
+     "torch is a ROCm build (HIP 6.4.43482); the pack's Triton kernels are not validated on AMD GPUs yet, so "
+     "auto uses PyTorch attention here (fp16 in the Settings node tries them).", ""),
     ("TRITON_FROM_PYTORCH_INDEX", linux("2.9.1+rocm6.4", None, requires=TORCH29_ROCM_REQ, torch_hip="6.4.43482"),
      "TRITON_FROM_PYTORCH_INDEX",
      "torch needs pytorch-triton-rocm==3.5.0, which is only on the PyTorch package index (installed: none).",
