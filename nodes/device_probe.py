@@ -65,7 +65,7 @@ def summary(facts: DeviceFacts) -> str:
     parts = [facts.name or facts.device]
     if facts.vendor == "nvidia" and facts.capability:
         parts.append(f"sm_{facts.capability[0]}{facts.capability[1]}")
-    elif facts.arch:
+    elif facts.arch and facts.arch != parts[0]:
         parts.append(facts.arch)
     if facts.vram_bytes:
         parts.append(f"{facts.vram_bytes / 2**30:.0f} GiB")
