@@ -123,9 +123,33 @@ class AttentionOverride:
     def __init__(self, settings: AccelSettings, previous=None):
         self.settings = settings
         self.previous = previous
+        self._usable: dict = {}
 
     def __deepcopy__(self, memo):
         return self
+
+    def _usable_paths(self, decision, q, k, v, mask, full_precision: bool):
+        """The decision's paths that can serve this call, and why the others cannot.
+
+        A model repeats a handful of call signatures thousands of times per image, so the
+        registry's answer is remembered per signature instead of re-checked on every call.
+        """
+        m = None if mask is None else (mask.dtype, tuple(mask.shape), mask.stride())
+        key = (decision, q.device, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), m, full_precision)
+        cached = self._usable.get(key)
+        if cached is not None:
+            return cached
+        usable, refusals = [], []
+        for path in decision.candidates:
+            if full_precision and path in LOSSY_PATHS:
+                refusals.append(f"{path}: full precision requested")
+                continue
+            ok, reason = kernels.attention_support(q, k, v, mask, backend=BACKEND_OF_PATH[path])
+            (usable.append(path) if ok else refusals.append(reason))
+        if len(self._usable) > 1024:
+            self._usable.clear()
+        self._usable[key] = (usable, refusals)
+        return usable, refusals
 
     def _original(self, func, args, kwargs, reason: str):
         call_stats.record("original", reason)
@@ -143,13 +167,7 @@ class AttentionOverride:
         if decision.path == PATH_PYTORCH:
             return self._original(func, args, kwargs, decision.reason)
         full_precision = kwargs.get("low_precision_attention", True) is False
-        usable, refusals = [], []
-        for path in decision.candidates:
-            if full_precision and path in LOSSY_PATHS:
-                refusals.append(f"{path}: full precision requested")
-                continue
-            ok, reason = kernels.attention_support(q, k, v, mask, backend=BACKEND_OF_PATH[path])
-            (usable.append(path) if ok else refusals.append(reason))
+        usable, refusals = self._usable_paths(decision, q, k, v, mask, full_precision)
         if not usable:
             return self._original(func, args, kwargs, "; ".join(refusals) or "no candidate path")
 

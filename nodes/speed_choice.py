@@ -24,7 +24,6 @@ TIMED_RUNS = 5
 # Outputs further apart than this mean something is wrong with one path; keep ComfyUI's.
 MAX_REL_L2_DIFFERENCE = 2e-2
 
-OURS = "triton_fp16"
 ORIGINAL = "original"
 
 

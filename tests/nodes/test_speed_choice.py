@@ -3,7 +3,8 @@ import json
 
 import torch
 
-from triton_accel.nodes.speed_choice import ORIGINAL, OURS, SpeedChoice, shape_class
+from triton_accel.nodes.path_choice import PATH_TRITON_FP16 as OURS
+from triton_accel.nodes.speed_choice import ORIGINAL, SpeedChoice, shape_class
 
 
 def fake_timer(times):
