@@ -46,6 +46,17 @@ CASES += [
     ("cross_77_d64", 2, 10, 10, 4096, 77, 64, "bf16", "none", False, "bhld", {}),
     ("single_token", 1, 2, 2, 1, 1, 64, "bf16", "none", False, "bhld", {}),
     ("outliers_d128", 1, 4, 4, 1024, 1024, 128, "bf16", "outliers", False, "bhld", {}),
+    # Served by the short-key kernel through the API (cases named short_*); the flash kernel
+    # is checked on the same inputs through its explicit config.
+    ("short_sd15_d40_77", 2, 8, 8, 4096, 77, 40, "fp16", "none", False, "blhd", {}),
+    ("short_sd15_d80_77", 2, 8, 8, 1024, 77, 80, "bf16", "none", False, "blhd", {}),
+    ("short_sdxl_d64_77", 2, 20, 20, 1024, 77, 64, "bf16", "none", False, "bhld", {}),
+    ("short_d128_77", 1, 24, 24, 1000, 77, 128, "bf16", "none", False, "bhld", {}),
+    ("short_256keys_d64", 2, 4, 4, 999, 256, 64, "bf16", "none", False, "bhld", {}),
+    ("short_one_key", 1, 4, 4, 300, 1, 64, "fp16", "none", False, "bhld", {}),
+    ("short_gqa_24_8", 1, 24, 8, 513, 100, 64, "bf16", "none", False, "bhld", {}),
+    ("short_fp32_d64", 1, 4, 4, 300, 77, 64, "fp32", "none", False, "bhld", {}),
+    ("short_outliers", 2, 10, 10, 4096, 77, 64, "bf16", "outliers", False, "bhld", {}),
 ]
 
 TOL = {"bf16": 8e-3, "fp16": 2e-3, "fp32": 1e-4}  # rel L2 vs fp32 reference; SDPA itself: ~2.3e-3 / 3e-4
@@ -99,7 +110,8 @@ def run_case(i: int) -> dict:
     ref = K.attention_ref(q, k, v, m, None, causal)
     res = {"case": name, "config": cfg}
     res["fast_equal"] = bool(torch.equal(out_fast, out_api))
-    res["fast_launch"] = bool(at.FAST_LAUNCH) and any(p[3] == "verified" for p in at._plans.values())
+    dl = importlib.import_module(pack.__name__ + ".kernels.direct_launch")
+    res["fast_launch"] = bool(dl.ENABLED) and dl.verified_count() > 0
     for tag, o in (("cfg", out_cfg), ("api", out_api)):
         o = o.float()
         if not torch.isfinite(o).all():
@@ -114,8 +126,10 @@ def run_case(i: int) -> dict:
         res["sdpa"] = f"{type(e).__name__}"
     res["counts"] = K.stats.counts()
     tol = TOL[dt]
+    res["short_kv"] = res["counts"].get("triton_attention.short_kv", 0)
     res["ok"] = bool(res["cfg"] <= tol and res["api"] <= tol and res["fast_equal"]
-                     and res["counts"].get("triton_attention") == 4)
+                     and res["counts"].get("triton_attention") == 4
+                     and (not name.startswith("short_") or res["short_kv"] == 4))
     return res
 
 
@@ -145,7 +159,7 @@ def main():
             print(f"{'FAIL':<5} {r['case']:<34} ERROR {r['error']}  {r.get('config')}")
         else:
             print(f"{'ok' if r['ok'] else 'FAIL':<5} {r['case']:<34} cfg {r['cfg']:.5f} api {r['api']:.5f} "
-                  f"fast {'on' if r['fast_launch'] else 'off'}/{'same' if r['fast_equal'] else 'DIFF'} "
+                  f"fast {'on' if r['fast_launch'] else 'off'}/{'same' if r['fast_equal'] else 'DIFF'} short {r['short_kv']} "
                   f"sdpa {r['sdpa'] if isinstance(r['sdpa'], str) else format(r['sdpa'], '.5f')}  {r['config']}")
     out = Path(os.environ.get("OUT") or HERE / "results")
     out.mkdir(parents=True, exist_ok=True)

@@ -39,11 +39,15 @@ SHAPES = [
     ("wan14b_32760_d128", 1, 40, 40, 32760, 32760, 128, "none"),
     ("hunyuan_33390_d128", 1, 24, 24, 33390, 33390, 128, "none"),
     ("cross_4096x77_d64", 2, 10, 10, 4096, 77, 64, "none"),
+    ("sd15_cross_4096x77_d40", 2, 8, 8, 4096, 77, 40, "none"),
+    ("sdxl_cross_1024x77_d64", 2, 20, 20, 1024, 77, 64, "none"),
+    ("wan_cross_32760x512_d128", 1, 40, 40, 32760, 512, 128, "none"),
     ("qwen_4352_pad_d128", 1, 24, 24, 4352, 4352, 128, "pad_add"),
     ("lumina_gqa_4096_d96", 1, 24, 8, 4096, 4096, 96, "none"),
 ]
 QUICK = {"sd15_4096_d40", "sdxl_4096_d64", "flux_4608_d128", "cross_4096x77_d64", "qwen_4352_pad_d128"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+GRAPH_IMPLS = ("ours", "sdpa_flash", "sdpa_cudnn")
 L2_BYTES = 60 * 2**20
 
 
@@ -197,16 +201,30 @@ SWEEP = {
                  [{"SPLIT_D": False}, {"SPLIT_D": True}], True)
     + _cfgs([(128, 128, 8, 3), (128, 64, 4, 3)], [{"SPLIT_D": True, "LAZY": True}], True),
 }
-SWEEP_SHAPES = {"sdxl_4096_d64": "d64", "flux_4608_d128": "d128", "sd15_4096_d40": "odd",
-                "sd15_1024_d80": "odd", "sd15_256_d160": "odd", "cross_4096x77_d64": "short",
-                "qwen_4352_pad_d128": "d128s", "lumina_gqa_4096_d96": "odd"}
+# Small calls: more, smaller programs (a 256-token d160 call has 64 programs of 64 rows).
+SWEEP["small"] = _cfgs([(128, 128, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2),
+                        (128, 128, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (32, 64, 4, 2), (32, 32, 2, 2),
+                        (16, 64, 2, 2), (16, 32, 2, 2), (16, 128, 4, 2), (32, 128, 4, 2)], [{}], False)
+SWEEP["d128x"] = _cfgs([(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+                      [{}], False)
+# The short-key kernel: rows per tile, warps, stages of the Q-tile loop, programs per SM.
+SWEEP["skv"] = [dict(BLOCK_M=bm, num_warps=w, num_stages=st, PROGRAMS_PER_SM=pps)
+                for bm, w in ((64, 4), (128, 4), (128, 8)) for st in (2, 3, 4) for pps in (1, 2, 4)]
+SWEEP_SHAPES = {"sd15_1024_d80": "small", "sd15_256_d160": "small", "sdxl_1024_d64": "small",
+                "cross_4096x77_d64": "skv", "sd15_cross_4096x77_d40": "skv", "sdxl_cross_1024x77_d64": "skv",
+                "wan_cross_32760x512_d128": "d128x"}
+# Earlier sweeps (their winners are the shipped sm90 configs; RESULTS.md): --sweep-all adds them.
+SWEEP_SHAPES_ALL = {"sdxl_4096_d64": "d64", "flux_4608_d128": "d128", "sd15_4096_d40": "odd",
+                    "qwen_4352_pad_d128": "d128s", "lumina_gqa_4096_d96": "odd", **SWEEP_SHAPES}
 
 
-def sweep(shapes, device, results):
+def sweep(shapes, device, results, table):
     from importlib import import_module
     at = import_module(K.__name__ + ".attention_triton")
+    sk = import_module(K.__name__ + ".attention_short_kv")
+    info = K.describe(device)
     for shape in shapes:
-        if shape[0] not in SWEEP_SHAPES:
+        if shape[0] not in table:
             continue
         sets = input_sets(shape, torch.bfloat16, device)
         q, k, v, m = sets[0]
@@ -214,9 +232,12 @@ def sweep(shapes, device, results):
         ref = ref_rows(q, k, v, m, rows)
         flops = 4 * shape[1] * shape[2] * shape[4] * shape[5] * shape[6]
         rows_out = []
-        for cfg in SWEEP[SWEEP_SHAPES[shape[0]]]:
+        for cfg in SWEEP[table[shape[0]]]:
             try:
-                fn = lambda q, k, v, m, cfg=cfg: at.attention_triton(q, k, v, m, config=cfg)
+                if table[shape[0]] == "skv":
+                    fn = lambda q, k, v, m, cfg=cfg: sk.attention_short_kv(q, k, v, None, info, False, config=cfg)
+                else:
+                    fn = lambda q, k, v, m, cfg=cfg: at.attention_triton(q, k, v, m, config=cfg)
                 err = errors(fn(q, k, v, m)[:, :, rows], ref)
                 ms = bench(fn, sets, warmup=10, rep=40)
                 rows_out.append((flops / ms / 1e9, cfg, err["rel_l2"]))
@@ -235,6 +256,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time candidate configs of our kernel")
     ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--sweep-all", action="store_true", help="sweep every tuned shape, not only the small ones")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--only", default="", help="comma list of shape names")
     ap.add_argument("--skip", default="", help="comma list of baselines to skip")
@@ -261,7 +283,7 @@ def main():
 
     shapes = [s for s in SHAPES if (not args.quick or s[0] in QUICK) and (not args.only or s[0] in args.only.split(","))]
     if args.sweep or args.sweep_only:
-        sweep(shapes, device, results)
+        sweep(shapes, device, results, SWEEP_SHAPES_ALL if args.sweep_all else SWEEP_SHAPES)
     skip = set(filter(None, args.skip.split(",")))
     out_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -306,14 +328,23 @@ def main():
                     # graph shows the kernels' own time. One input set (graphs fix pointers).
                     import triton.testing
                     row["graph"] = {}
-                    for gname in ("ours_raw", "sdpa_flash", "sdpa_cudnn"):
+                    for gname in GRAPH_IMPLS:
                         fn = impls.get(gname, (None,))[0]
                         if fn is None:
                             continue
                         try:
                             ms = triton.testing.do_bench_cudagraph(lambda: fn(q, k, v, m), rep=50)
-                            row["graph"][gname] = {"ms": ms, "tflops": flops / ms / 1e9}
-                            log(f"{name:<22} {dname} {gname:<11} graph {flops / ms / 1e9:7.1f} TF/s  {ms * 1e3:.1f} us")
+                            # Host cost of one eager call: submit 200 without waiting (the GPU
+                            # queue holds them), per call.
+                            torch.cuda.synchronize()
+                            t0 = time.perf_counter()
+                            for _ in range(200):
+                                fn(q, k, v, m)
+                            host_us = (time.perf_counter() - t0) / 200 * 1e6
+                            torch.cuda.synchronize()
+                            row["graph"][gname] = {"ms": ms, "tflops": flops / ms / 1e9, "host_us": host_us}
+                            log(f"{name:<22} {dname} {gname:<11} graph {flops / ms / 1e9:7.1f} TF/s  {ms * 1e3:.1f} us"
+                                f"  host {host_us:.1f} us/call")
                         except Exception as e:
                             row["graph"][gname] = {"missing": f"{type(e).__name__}: {str(e)[:120]}"}
                 results["rows"].append(row)
@@ -345,8 +376,8 @@ def print_table(results):
         g = row.get("graph") or {}
         if g:
             log(f"graph {row['shape']:<20} {row['dtype']:<4} " + "  ".join(
-                f"{n} {g[n]['tflops']:.1f} TF/s {g[n]['ms'] * 1e3:.1f}us" if "tflops" in g.get(n, {}) else f"{n} -"
-                for n in ("ours_raw", "sdpa_flash", "sdpa_cudnn")))
+                f"{n} {g[n]['tflops']:.1f} TF/s {g[n]['ms'] * 1e3:.1f}us host {g[n]['host_us']:.0f}us"
+                if "tflops" in g.get(n, {}) else f"{n} -" for n in GRAPH_IMPLS))
     for name, rows in results.get("sweep", {}).items():
         if rows:
             log(f"sweep best {name}: {rows[0]['tflops']:.1f} TF/s {rows[0]['config']}")
@@ -367,13 +398,17 @@ def markdown_table(results) -> str:
                      + f" | {ratio('sdpa_flash')} | {ratio('sdpa_cudnn')} | {ratio('flex')} | {err('ours')} | {err('sdpa_flash')} |")
     graph_rows = [r for r in results["rows"] if r.get("graph")]
     if graph_rows:
-        lines += ["", "CUDA-graph replay (kernel time without host launch overhead), TF/s:", "",
-                  "| shape | dtype | ours (launcher) | sdpa_flash | sdpa_cudnn | ours/flash |", "|---|---|---|---|---|---|"]
+        lines += ["", "CUDA-graph replay (kernel time without host launch overhead), TF/s, and host time per "
+                  "eager call (µs):", "",
+                  "| shape | dtype | ours | sdpa_flash | sdpa_cudnn | ours/flash | ours/cudnn | host ours | host flash |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in graph_rows:
-            g = {n: r["graph"].get(n, {}).get("tflops") for n in ("ours_raw", "sdpa_flash", "sdpa_cudnn")}
+            g = {n: r["graph"].get(n, {}).get("tflops") for n in GRAPH_IMPLS}
+            h = {n: r["graph"].get(n, {}).get("host_us") for n in GRAPH_IMPLS}
             f = lambda x: f"{x:.1f}" if x else "-"
-            ratio = f"{g['ours_raw'] / g['sdpa_flash']:.2f}" if g["ours_raw"] and g["sdpa_flash"] else "-"
-            lines.append(f"| {r['shape']} | {r['dtype']} | {f(g['ours_raw'])} | {f(g['sdpa_flash'])} | {f(g['sdpa_cudnn'])} | {ratio} |")
+            ratio = lambda b: f"{g['ours'] / g[b]:.2f}" if g["ours"] and g[b] else "-"
+            lines.append(f"| {r['shape']} | {r['dtype']} | {f(g['ours'])} | {f(g['sdpa_flash'])} | {f(g['sdpa_cudnn'])} "
+                         f"| {ratio('sdpa_flash')} | {ratio('sdpa_cudnn')} | {f(h['ours'])} | {f(h['sdpa_flash'])} |")
     return "\n".join(lines)
 
 

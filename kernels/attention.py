@@ -100,6 +100,7 @@ def _reference(q, k, v, attn_mask=None, scale=None, is_causal=False):
 
 
 def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
+    from . import attention_short_kv as short_kv
     from . import attention_triton as at
 
     interpreter = _device.interpreter_enabled() and q.device.type == "cpu"
@@ -109,6 +110,23 @@ def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
         m = attn_mask.float() if attn_mask is not None and attn_mask.dtype == torch.bfloat16 else attn_mask
         return _triton(q.float(), k.float(), v.float(), m, scale, is_causal).to(q.dtype)
     D, Lk = q.shape[-1], k.shape[2]
+    if Lk <= short_kv.SHORT_KV_MAX_KEYS and attn_mask is None and not is_causal:
+        skey = (q.device, q.dtype, D, Lk, interpreter)
+        refusal = _short_kv_refusals.get(skey, "")
+        if refusal == "":
+            refusal = short_kv.short_kv_refusal(q, k, v, attn_mask, is_causal, _device.describe(q.device), interpreter)
+            _short_kv_refusals[skey] = refusal
+        if refusal is None:
+            try:
+                out = short_kv.attention_short_kv(q, k, v, scale, _device.describe(q.device), interpreter)
+                stats.increment("triton_attention.short_kv")
+                return out
+            except Exception as e:
+                # A GPU with less shared memory than its arch's budget assumes: the flash kernel
+                # steps its tiles down instead. Anything else is a real error.
+                if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
+                    raise
+                _short_kv_refusals[skey] = f"does not fit: {str(e).splitlines()[0]}"
     mask = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "add")
     lk_class = 1 << max(0, (Lk - 1).bit_length())  # power-of-two bucket
     shape_class = (str(q.dtype).replace("torch.", ""), D, k.shape[1] != q.shape[1], mask,
@@ -129,12 +147,14 @@ def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
 
 
 _configs: dict = {}
+_short_kv_refusals: dict = {}  # (device, dtype, D, Lk, interpreter) -> refusal or None
 
 
 def clear_caches() -> None:
     """Forget remembered decisions and configs (after changing env vars or the registry)."""
     _decisions.clear()
     _configs.clear()
+    _short_kv_refusals.clear()
 
 
 def _register_implementations() -> None:

@@ -30,14 +30,16 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import device as _device
+from . import direct_launch
 
 log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 
 # Tuned defaults per arch and head-dim class. Classes: "d<P>" for head dims that are the
-# power of two P, "d<P>p" for head dims padded (or split) up to P, "short" for
-# cross-attention over <= 128 keys. Keys: BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_D
+# power of two P, "d<P>p" for head dims padded (or split) up to P, either with an "m" suffix
+# for calls over <= 1024 keys, "short" for cross-attention over <= 128 keys (when the
+# short-key kernel, attention_short_kv.py, does not take it: masked calls, small GPUs). Keys: BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_D
 # (split an odd head dim in two power-of-two chunks rather than pad; only done with a
 # 128-wide first chunk, see split_head_dim), TMA (K/V through tensor descriptors, sm90+),
 # WS (tl.range warp_specialize), LAZY (lazy rescale).
@@ -56,6 +58,11 @@ _SM90 = {
     "d256": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     "d256p": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, SPLIT_D=True),  # d160 = 128+32
     "short": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),  # 4096 x 77 keys: 71 TF/s
+    # <= 1024 keys: the key loop is short, so smaller tiles (more programs to overlap each
+    # other's prologue and epilogue) win: SDXL 1024 tokens 285 vs 244 TF/s (128x128), Wan
+    # cross-attention 32760 x 512 keys d128 405 vs 352 (128x128, 8 warps).
+    "d64m": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    "d128m": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
 }
 _SM80 = {
     "d64": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -95,7 +102,8 @@ def lookup_config(family: str, cls: str) -> dict:
     """The table entry for a class, falling back dXp -> dX -> d64 (smaller tiles for more
     shared-memory hungry classes are handled by the launcher's step-down)."""
     table = ATTENTION_CONFIGS[family]
-    for key in (cls, cls.rstrip("p"), "d64"):
+    base = cls[:-1] if cls.endswith("m") else cls
+    for key in (cls, base, base.rstrip("p"), "d64"):
         if key in table:
             return {**CONFIG_DEFAULTS, **table[key]}
     return {**CONFIG_DEFAULTS, **next(iter(table.values()))}
@@ -157,7 +165,7 @@ def head_dim_class(head_dim: int, kv_len: int) -> str:
     if kv_len <= 128 and head_dim <= 128:
         return "short"
     padded = max(16, 1 << (head_dim - 1).bit_length())
-    return f"d{padded}" + ("p" if padded != head_dim else "")
+    return f"d{padded}" + ("p" if padded != head_dim else "") + ("m" if kv_len <= 1024 else "")
 
 
 if triton is not None:
@@ -467,16 +475,16 @@ def attention_triton(q, k, v, attn_mask=None, scale=None, is_causal=False, confi
         row_bcast = mstr[2] == 0
 
     plan_key = None
-    if FAST_LAUNCH and q.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+    if direct_launch.usable(q):
         # Everything the JIT specialises on (shapes, strides, dtypes, 16-byte alignment of the
         # pointers) plus the config: same key, same compiled kernel and grid.
-        plan_key = (q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(),
+        plan_key = ("attn", q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(),
                     mask_kind, mk.dtype, mstr, bool(is_causal), None if config is None else tuple(config.items()),
                     q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, out.data_ptr() % 16,
                     mk.data_ptr() % 16)
-        plan = _plans.get(plan_key)
-        if plan is not None and plan[3] == "verified":
-            _fast_launch(plan, q, k, v, out, mk, scale, mstr, H, Hkv, Lq, Lk)
+        plan = direct_launch.lookup(plan_key)
+        if plan is not None:
+            direct_launch.launch(plan, q.device.index, _runtime_args(q, k, v, out, mk, scale, mstr, H, Hkv, Lq, Lk))
             return out
 
     interpreter = _device.interpreter_enabled() and q.device.type == "cpu"
@@ -493,13 +501,7 @@ def attention_triton(q, k, v, attn_mask=None, scale=None, is_causal=False, confi
             cfg["BLOCK_M"] = 64
 
     dot_precision = dot_input_precision(q.dtype == torch.float32, bool(getattr(torch.version, "hip", None)))
-    g = 0
-    for t in (q, k, v, out):
-        for st in t.stride()[:-1]:
-            g = math.gcd(g, st)
-    align = min(16, g & -g) if g else 16
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or align < 2:
-        align = 1
+    align = row_alignment(q, k, v, out)
 
     def launch(c, dst):
         block_m, block_n = c["BLOCK_M"], c["BLOCK_N"]
@@ -545,52 +547,29 @@ def attention_triton(q, k, v, attn_mask=None, scale=None, is_causal=False, confi
             log.info("attention config %s does not fit (%s); trying %s", cfg, str(e).splitlines()[0], smaller)
             cfg = smaller
     _fitted[fit_key] = cfg
-    if plan_key is not None and not used_tma and kernel is not None and not interpreter:
-        plan = _plans.get(plan_key)
-        if plan is None:
-            _plans[plan_key] = (kernel, grid, consts, "new")
-        elif plan[3] == "new":
-            _verify_fast_launch(plan_key, plan, q, k, v, out, mk, scale, mstr, H, Hkv, Lq, Lk)
+    if plan_key is not None and not used_tma and not interpreter:
+        direct_launch.record(plan_key, kernel, grid, consts,
+                             _runtime_args(q, k, v, out, mk, scale, mstr, H, Hkv, Lq, Lk), out_index=3)
     return out
 
 
-# The JIT launch path binds and specialises ~45 arguments on every call, tens of microseconds
-# that small attention calls (cross-attention, 1024-token layers) cannot hide. After a
-# signature has been launched twice, later calls go straight to the compiled kernel. The
-# direct call is checked once per signature against the JIT launch (bitwise) and switched
-# off for the process if it ever differs. TRITON_ACCEL_FAST_LAUNCH=0 disables it.
-FAST_LAUNCH = __import__("os").environ.get("TRITON_ACCEL_FAST_LAUNCH", "1") not in ("0", "false", "False")
-_plans: dict = {}
+def _runtime_args(q, k, v, out, mk, scale, mstr, H, Hkv, Lq, Lk):
+    """_attn_fwd's non-constexpr arguments in signature order (the descriptors are None)."""
+    return (q, k, v, out, mk, None, None, None, None, scale * LOG2E,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mstr, H, Hkv, Lq, Lk)
 
 
-def _fast_launch(plan, q, k, v, out, mk, scale, mstr, H, Hkv, Lq, Lk):
-    from triton import knobs
-    from triton.runtime import driver
-
-    kernel, grid, consts, _ = plan
-    stream = driver.active.get_current_stream(q.device.index)
-    args = (q, k, v, out, mk, None, None, None, None, scale * LOG2E,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mstr, H, Hkv, Lq, Lk, *consts)
-    meta = kernel.launch_metadata(grid, stream, *args)
-    kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, meta,
-               knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
-
-
-def _verify_fast_launch(plan_key, plan, q, k, v, out, mk, scale, mstr, H, Hkv, Lq, Lk):
-    global FAST_LAUNCH
-    probe = torch.empty_like(out)
-    try:
-        _fast_launch(plan, q, k, v, probe, mk, scale, mstr, H, Hkv, Lq, Lk)
-        same = torch.equal(probe, out)
-    except Exception as e:  # a Triton version whose launcher differs: keep the JIT path
-        log.warning("direct kernel launch unavailable (%s: %s); using Triton's JIT launch", type(e).__name__, e)
-        same = False
-    if same:
-        _plans[plan_key] = plan[:3] + ("verified",)
-    else:
-        log.warning("direct kernel launch disagreed with the JIT launch; disabled for this process")
-        FAST_LAUNCH = False
-        _plans.clear()
+def row_alignment(*tensors) -> int:
+    """Largest power of two (<= 16 elements) dividing every row/head/batch stride, or 1 when a
+    last dim is strided: the divisibility the kernels may promise Triton for row offsets."""
+    if any(t.stride(-1) != 1 for t in tensors):
+        return 1
+    g = 0
+    for t in tensors:
+        for st in t.stride()[:-1]:
+            g = math.gcd(g, st)
+    align = min(16, g & -g) if g else 16
+    return align if align >= 2 else 1
 
 
 def dot_input_precision(fp32: bool, hip: bool) -> str:

@@ -49,7 +49,8 @@ CHILD = textwrap.dedent(r'''
     # mask 2: additive [B,1,1,Lk] padding mask (row broadcast); mask 1: full boolean mask.
     cases = [("fp16", 64, 4096, 0), ("bf16", 128, 4096, 2)]
     if key == "sm90":
-        cases += [("bf16", 40, 4096, 0), ("bf16", 64, 77, 0), ("fp16", 160, 4096, 0), ("fp16", 128, 4096, 1)]
+        cases += [("bf16", 40, 4096, 0), ("bf16", 64, 77, 0), ("fp16", 160, 4096, 0), ("fp16", 128, 4096, 1),
+                  ("bf16", 64, 1024, 0), ("bf16", 128, 512, 0)]
     if key == "sm86":
         cases += [("fp16", 160, 4096, 0)]
     if key == "sm80":
@@ -69,6 +70,33 @@ CHILD = textwrap.dedent(r'''
         try:
             k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target,
                                options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+            binary = k.asm.get("cubin") if backend == "cuda" else k.asm.get("hsaco")
+            rec.update(ok=True, magic=binary[:4].hex() if binary else None, shared=k.metadata.shared,
+                       seconds=round(time.time() - t, 2))
+        except Exception as e:
+            rec.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
+        out.append(rec)
+    # The short-key kernel (cross-attention): the arch's config at the largest K/V it keeps on chip.
+    sk = importlib.import_module("ta_compile.kernels.attention_short_kv")
+    fam = "sm86" if key in ("sm89", "sm120") else ("default" if key == "sm75" else key)
+    skcfg = sk.SHORT_KV_CONFIGS[fam]
+    sk_cases = [("fp16", 64, 77)]
+    if key == "sm90":
+        sk_cases += [("bf16", 80, 77), ("bf16", 128, 77), ("bf16", 64, 256), ("bf16", 40, 77)]
+    elif key in ("sm80", "sm86"):
+        sk_cases += [("fp16", 40, 77), ("fp16", 64, 128)]
+    if backend == "cuda" and arch < 80:
+        sk_cases = [c for c in sk_cases if c[0] != "bf16"]
+    for dtype, d, lk in sk_cases:
+        kv_bytes = 2 * sk._padded(d) * sk._padded(lk) * 2
+        if kv_bytes > sk.SHORT_KV_BYTES[fam]:
+            continue  # the launcher does not use this kernel there
+        rec = {"case": f"short_kv_{dtype}_d{d}_lk{lk}", "class": "short_kv", "config": skcfg}
+        fn, sig, constexprs, attrs = sk.compile_spec(dtype, d, lk, skcfg, hip=backend == "hip")
+        t = time.time()
+        try:
+            k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target,
+                               options={"num_warps": skcfg["num_warps"], "num_stages": skcfg["num_stages"]})
             binary = k.asm.get("cubin") if backend == "cuda" else k.asm.get("hsaco")
             rec.update(ok=True, magic=binary[:4].hex() if binary else None, shared=k.metadata.shared,
                        seconds=round(time.time() - t, 2))
@@ -119,3 +147,21 @@ def test_sm90_configs_fit_shared_memory(compiled):
         if "fp32" in r["case"] or "mask1" in r["case"]:
             continue
         assert r["shared"] <= 232448, r
+
+
+# Shared memory one block may use (opt-in maximum) per target; the short-key kernel has no
+# step-down, so what it keeps on chip must fit at compile time.
+SHARED_LIMIT = {"sm75": 65536, "sm80": 166912, "sm86": 101376, "sm89": 101376, "sm90": 232448,
+                "sm120": 101376, "gfx942": 65536, "gfx1100": 65536}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_short_kv_kernel_compiles_and_fits(compiled, target):
+    recs = [r for r in compiled[target] if r["class"] == "short_kv"]
+    if target == "sm75":
+        assert not recs, "Turing has no short-key budget: the flash kernel serves it"
+        return
+    assert recs, "no short-key case compiled"
+    for r in recs:
+        assert r["ok"], r
+        assert r["shared"] <= SHARED_LIMIT[target], r
