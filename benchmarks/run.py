@@ -210,9 +210,12 @@ SWEEP["d128x"] = _cfgs([(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (12
 # The short-key kernel: rows per tile, warps, stages of the Q-tile loop, programs per SM.
 SWEEP["skv"] = [dict(BLOCK_M=bm, num_warps=w, num_stages=st, PROGRAMS_PER_SM=pps)
                 for bm, w in ((64, 4), (128, 4), (128, 8)) for st in (2, 3, 4) for pps in (1, 2, 4)]
-SWEEP_SHAPES = {"sd15_1024_d80": "small", "sd15_256_d160": "small", "sdxl_1024_d64": "small",
+# Calls over <= 1024 keys (the "m" classes): sweep 1 found 64x64 tiles best; neighbours of it.
+SWEEP["med"] = _cfgs([(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (64, 128, 4, 3), (64, 128, 4, 2),
+                      (64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 4, 3), (64, 64, 8, 3)], [{}], False)
+SWEEP_SHAPES = {"sd15_1024_d80": "med", "sd15_256_d160": "small", "sdxl_1024_d64": "med",
                 "cross_4096x77_d64": "skv", "sd15_cross_4096x77_d40": "skv", "sdxl_cross_1024x77_d64": "skv",
-                "wan_cross_32760x512_d128": "d128x"}
+                "wan_cross_32760x512_d128": "med"}
 # Earlier sweeps (their winners are the shipped sm90 configs; RESULTS.md): --sweep-all adds them.
 SWEEP_SHAPES_ALL = {"sdxl_4096_d64": "d64", "flux_4608_d128": "d128", "sd15_4096_d40": "odd",
                     "qwen_4352_pad_d128": "d128s", "lumina_gqa_4096_d96": "odd", **SWEEP_SHAPES}

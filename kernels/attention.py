@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 
 from . import device as _device
+from . import attention_short_kv as _short_kv
+from . import attention_triton as _at
 from . import stats, tuning
 from .attention_ref import attention_ref
 from .registry import BackendUnavailableError, Call, Constraints, Implementation, registry
@@ -100,60 +102,73 @@ def _reference(q, k, v, attn_mask=None, scale=None, is_causal=False):
 
 
 def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
-    from . import attention_short_kv as short_kv
-    from . import attention_triton as at
-
-    interpreter = _device.interpreter_enabled() and q.device.type == "cpu"
+    # The interpreter only ever runs CPU tensors; CUDA calls skip the environment lookup.
+    interpreter = not q.is_cuda and _device.interpreter_enabled()
     if interpreter and q.dtype == torch.bfloat16:
         # The interpreter's bf16 dots are wrong (numpy has no bf16): compute in fp32 there.
         # Only the CPU interpreter pays this copy; GPUs run bf16 natively.
         m = attn_mask.float() if attn_mask is not None and attn_mask.dtype == torch.bfloat16 else attn_mask
         return _triton(q.float(), k.float(), v.float(), m, scale, is_causal).to(q.dtype)
+    # Which kernel and config serve a call depends only on these facts; remembering the answer
+    # keeps the per-call host cost (it decides how fast small eager calls are) to a dict lookup.
+    rkey = (q.device, q.dtype, q.shape[-1], k.shape[2], k.shape[1] != q.shape[1],
+            None if attn_mask is None else attn_mask.dtype, bool(is_causal), interpreter)
+    route = _routes.get(rkey)
+    if route is None:
+        route = _route(q, k, v, attn_mask, scale, is_causal, interpreter)
+        _routes[rkey] = route
+    kind, info_or_config = route
+    if kind == "short_kv":
+        try:
+            out = _short_kv.attention_short_kv(q, k, v, scale, info_or_config, interpreter)
+            stats.increment("triton_attention.short_kv")
+            return out
+        except Exception as e:
+            # A GPU with less shared memory than its arch's budget assumes: the flash kernel
+            # steps its tiles down instead. Anything else is a real error.
+            if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
+                raise
+            _short_kv_refusals[rkey] = f"does not fit: {str(e).splitlines()[0]}"
+            route = _route(q, k, v, attn_mask, scale, is_causal, interpreter)
+            _routes[rkey] = route
+            info_or_config = route[1]
+    return _at.attention_triton(q, k, v, attn_mask, scale, is_causal, config=info_or_config)
+
+
+def _route(q, k, v, attn_mask, scale, is_causal, interpreter):
+    """("short_kv", device info) or ("flash", config) for a call signature."""
+    info = _device.describe(q.device)
     D, Lk = q.shape[-1], k.shape[2]
-    if Lk <= short_kv.SHORT_KV_MAX_KEYS and attn_mask is None and not is_causal:
-        skey = (q.device, q.dtype, D, Lk, interpreter)
-        refusal = _short_kv_refusals.get(skey, "")
-        if refusal == "":
-            refusal = short_kv.short_kv_refusal(q, k, v, attn_mask, is_causal, _device.describe(q.device), interpreter)
-            _short_kv_refusals[skey] = refusal
-        if refusal is None:
-            try:
-                out = short_kv.attention_short_kv(q, k, v, scale, _device.describe(q.device), interpreter)
-                stats.increment("triton_attention.short_kv")
-                return out
-            except Exception as e:
-                # A GPU with less shared memory than its arch's budget assumes: the flash kernel
-                # steps its tiles down instead. Anything else is a real error.
-                if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
-                    raise
-                _short_kv_refusals[skey] = f"does not fit: {str(e).splitlines()[0]}"
+    rkey = (q.device, q.dtype, D, Lk, k.shape[1] != q.shape[1],
+            None if attn_mask is None else attn_mask.dtype, bool(is_causal), interpreter)
+    refusal = _short_kv_refusals.get(rkey)
+    if refusal is None:
+        refusal = _short_kv.short_kv_refusal(q, k, v, attn_mask, is_causal, info, interpreter)
+    if refusal is None:
+        return "short_kv", info
+    _short_kv_refusals[rkey] = refusal
     mask = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "add")
     lk_class = 1 << max(0, (Lk - 1).bit_length())  # power-of-two bucket
     shape_class = (str(q.dtype).replace("torch.", ""), D, k.shape[1] != q.shape[1], mask,
                    bool(is_causal), min(lk_class, 1 << 16))
-    ckey = (q.device, interpreter, shape_class)
-    config = _configs.get(ckey)
-    if config is None:
-        info = _device.describe(q.device)
-        config = at.default_config(info, D, Lk, interpreter)
-        if not interpreter:
-            def run(cfg):
-                return at.attention_triton(q, k, v, attn_mask, scale, is_causal, config=cfg)
+    config = _at.default_config(info, D, Lk, interpreter)
+    if not interpreter:
+        def run(cfg):
+            return _at.attention_triton(q, k, v, attn_mask, scale, is_causal, config=cfg)
 
-            config = tuning.choose("attention", info, shape_class, config,
-                                   candidates=lambda: list(at.AUTOTUNE_SPACE), run=run)
-        _configs[ckey] = config
-    return at.attention_triton(q, k, v, attn_mask, scale, is_causal, config=config)
+        config = tuning.choose("attention", info, shape_class, config,
+                               candidates=lambda: list(_at.AUTOTUNE_SPACE), run=run)
+    return "flash", config
 
 
-_configs: dict = {}
-_short_kv_refusals: dict = {}  # (device, dtype, D, Lk, interpreter) -> refusal or None
+_routes: dict = {}
+_short_kv_refusals: dict = {}  # route key -> why the short-key kernel does not serve it
 
 
 def clear_caches() -> None:
     """Forget remembered decisions and configs (after changing env vars or the registry)."""
     _decisions.clear()
-    _configs.clear()
+    _routes.clear()
     _short_kv_refusals.clear()
 
 
@@ -215,7 +230,7 @@ _MAX_DECISIONS = 4096
 def _signature(q, k, v, attn_mask, is_causal, backend):
     m = None if attn_mask is None else (attn_mask.dtype, attn_mask.shape, attn_mask.stride(), attn_mask.device)
     return (q.device, q.dtype, q.shape, k.dtype, k.shape, v.dtype, v.shape, k.device, v.device, m,
-            is_causal, backend, _device.interpreter_enabled())
+            is_causal, backend, False if q.is_cuda else _device.interpreter_enabled())
 
 
 def _dispatch(q, k, v, attn_mask, scale, is_causal, backend):

@@ -41,10 +41,17 @@ def lookup(key) -> Plan | None:
     return plan if plan is not None and plan.verified else None
 
 
-def launch(plan: Plan, device_index: int, args: tuple) -> None:
-    from triton import knobs
-    from triton.runtime import driver
+_triton_mods: tuple | None = None  # (knobs, driver), imported once: this runs on every call
 
+
+def launch(plan: Plan, device_index: int, args: tuple) -> None:
+    global _triton_mods
+    if _triton_mods is None:
+        from triton import knobs
+        from triton.runtime import driver
+
+        _triton_mods = (knobs, driver)
+    knobs, driver = _triton_mods
     stream = driver.active.get_current_stream(device_index)
     full = (*args, *plan.consts)
     kernel, grid = plan.kernel, plan.grid
