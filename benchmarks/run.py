@@ -389,7 +389,7 @@ def print_table(results):
 def markdown_table(results) -> str:
     """The measured table as Markdown, for benchmarks/RESULTS.md."""
     names = ["ours", "sdpa_flash", "sdpa_cudnn", "flex", "sage1", "ck_int8"]
-    lines = [f"| shape | dtype | " + " | ".join(names) + " | ours/flash | ours/cudnn | ours/flex | relL2 ours | relL2 flash |",
+    lines = ["| shape | dtype | " + " | ".join(names) + " | ours/flash | ours/cudnn | ours/flex | relL2 ours | relL2 flash |",
              "|" + "---|" * (len(names) + 7)]
     for row in results["rows"]:
         imp = row["impl"]

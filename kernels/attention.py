@@ -10,7 +10,6 @@ with the reason; backend="torch" runs PyTorch SDPA.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Optional
 
 import torch
