@@ -114,7 +114,7 @@ def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
             None if attn_mask is None else attn_mask.dtype, bool(is_causal), interpreter)
     route = _routes.get(rkey)
     if route is None:
-        route = _route(q, k, v, attn_mask, scale, is_causal, interpreter)
+        route = _route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter)
         _routes[rkey] = route
     kind, info_or_config = route
     if kind == "short_kv":
@@ -128,18 +128,16 @@ def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
             if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
                 raise
             _short_kv_refusals[rkey] = f"does not fit: {str(e).splitlines()[0]}"
-            route = _route(q, k, v, attn_mask, scale, is_causal, interpreter)
+            route = _route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter)
             _routes[rkey] = route
             info_or_config = route[1]
     return _at.attention_triton(q, k, v, attn_mask, scale, is_causal, config=info_or_config)
 
 
-def _route(q, k, v, attn_mask, scale, is_causal, interpreter):
-    """("short_kv", device info) or ("flash", config) for a call signature."""
+def _route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter):
+    """("short_kv", device info) or ("flash", config) for the call signature rkey."""
     info = _device.describe(q.device)
     D, Lk = q.shape[-1], k.shape[2]
-    rkey = (q.device, q.dtype, D, Lk, k.shape[1] != q.shape[1],
-            None if attn_mask is None else attn_mask.dtype, bool(is_causal), interpreter)
     refusal = _short_kv_refusals.get(rkey)
     if refusal is None:
         refusal = _short_kv.short_kv_refusal(q, k, v, attn_mask, is_causal, info, interpreter)

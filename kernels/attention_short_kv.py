@@ -16,12 +16,10 @@ budget (SHORT_KV_BYTES); everything else goes to the flash kernel (attention_tri
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-
 import torch
 
 from . import direct_launch
-from .attention_triton import LOG2E, arch_family, dot_input_precision, row_alignment, triton
+from .attention_triton import LOG2E, _sm_count, arch_family, dot_input_precision, row_alignment, triton
 
 if triton is not None:
     import triton.language as tl
@@ -137,11 +135,6 @@ if triton is not None:
                 tl.store(optrs, out, mask=offs_d[None, :] < HEAD_DIM)
             else:
                 tl.store(optrs, out)
-
-
-@lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _runtime_args(q, k, v, out, scale, H, Lq, Lk, n_tiles):

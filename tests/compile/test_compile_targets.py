@@ -33,7 +33,7 @@ TARGETS = {
 }
 
 CHILD = textwrap.dedent(r'''
-    import importlib, importlib.util, json, sys, time
+    import importlib, importlib.util, json, sys, time, types
     from pathlib import Path
     root = Path(sys.argv[1]); backend, arch, warp, key = json.loads(sys.argv[2])
     spec = importlib.util.spec_from_file_location("ta_compile", root / "__init__.py",
@@ -44,6 +44,18 @@ CHILD = textwrap.dedent(r'''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     target = GPUTarget(backend, arch, warp)
+
+    def build(rec, fn, sig, constexprs, attrs, cfg):
+        t = time.time()
+        try:
+            k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target,
+                               options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+            binary = k.asm.get("cubin") if backend == "cuda" else k.asm.get("hsaco")
+            rec.update(ok=True, magic=binary[:4].hex() if binary else None, shared=k.metadata.shared,
+                       seconds=round(time.time() - t, 2))
+        except Exception as e:
+            rec.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
+        return rec
     # (dtype, head dim, kv len, mask kind): one per tuning class plus a masked and an fp32 case
     # Every target: the common classes. The tuned archs (and one fp32 case) add the rest.
     # mask 2: additive [B,1,1,Lk] padding mask (row broadcast); mask 1: full boolean mask.
@@ -65,20 +77,11 @@ CHILD = textwrap.dedent(r'''
             cfg = dict(cfg, BLOCK_N=min(cfg["BLOCK_N"], 64), num_stages=min(cfg["num_stages"], 2))
         fn, sig, constexprs, attrs = at.compile_spec(dtype, d, cfg, mask_kind=mk, hip=backend == "hip",
                                                      mask_row_bcast=mk == 2)
-        t = time.time()
-        rec = {"case": f"{dtype}_d{d}_lk{lk}_mask{mk}", "class": cls, "config": cfg}
-        try:
-            k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target,
-                               options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-            binary = k.asm.get("cubin") if backend == "cuda" else k.asm.get("hsaco")
-            rec.update(ok=True, magic=binary[:4].hex() if binary else None, shared=k.metadata.shared,
-                       seconds=round(time.time() - t, 2))
-        except Exception as e:
-            rec.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
-        out.append(rec)
+        out.append(build({"case": f"{dtype}_d{d}_lk{lk}_mask{mk}", "class": cls, "config": cfg},
+                         fn, sig, constexprs, attrs, cfg))
     # The short-key kernel (cross-attention): the arch's config at the largest K/V it keeps on chip.
     sk = importlib.import_module("ta_compile.kernels.attention_short_kv")
-    fam = "sm86" if key in ("sm89", "sm120") else ("default" if key == "sm75" else key)
+    fam = sk._family(types.SimpleNamespace(arch=key), False)
     skcfg = sk.SHORT_KV_CONFIGS[fam]
     sk_cases = [("fp16", 64, 77)]
     if key == "sm90":
@@ -91,18 +94,9 @@ CHILD = textwrap.dedent(r'''
         kv_bytes = 2 * sk._padded(d) * sk._padded(lk) * 2
         if kv_bytes > sk.SHORT_KV_BYTES[fam]:
             continue  # the launcher does not use this kernel there
-        rec = {"case": f"short_kv_{dtype}_d{d}_lk{lk}", "class": "short_kv", "config": skcfg}
         fn, sig, constexprs, attrs = sk.compile_spec(dtype, d, lk, skcfg, hip=backend == "hip")
-        t = time.time()
-        try:
-            k = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=target,
-                               options={"num_warps": skcfg["num_warps"], "num_stages": skcfg["num_stages"]})
-            binary = k.asm.get("cubin") if backend == "cuda" else k.asm.get("hsaco")
-            rec.update(ok=True, magic=binary[:4].hex() if binary else None, shared=k.metadata.shared,
-                       seconds=round(time.time() - t, 2))
-        except Exception as e:
-            rec.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
-        out.append(rec)
+        out.append(build({"case": f"short_kv_{dtype}_d{d}_lk{lk}", "class": "short_kv", "config": skcfg},
+                         fn, sig, constexprs, attrs, skcfg))
     print("RESULT " + json.dumps(out))
 ''')
 
