@@ -20,22 +20,27 @@ def _apply_install_config() -> None:
 
     install.py writes triton_accel.json only when the default Triton cache is unusable (a
     non-ASCII or read-only user folder on Windows); a TRITON_CACHE_DIR the user set wins.
+    kernels/install_config.py reads and checks it; it is loaded by path because importing the
+    ``kernels`` package imports torch and triton, and TRITON_CACHE_DIR must be set before that.
+    An invalid value is ignored with a warning; nothing here may stop the pack from loading.
     """
-    import json
+    import importlib.util
     import os
+    import sys
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_accel.json")
+    pack_dir = os.path.dirname(os.path.abspath(__file__))
+    source = os.path.join(pack_dir, "kernels", "install_config.py")
+    name = "_triton_accel_install_config"  # private: never clashes with the pack's own package name
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError):
-        log.warning("Triton Accel: ignoring unreadable %s", path)
-        return
-    cache_dir = config.get("triton_cache_dir") if isinstance(config, dict) else None
-    if cache_dir:
-        os.environ.setdefault("TRITON_CACHE_DIR", cache_dir)
+        spec = importlib.util.spec_from_file_location(name, source)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # registered before it runs, as the import system does
+        spec.loader.exec_module(module)
+        module.apply_cache_dir(pack_dir)
+    except Exception:
+        sys.modules.pop(name, None)
+        log.warning("Triton Accel: could not apply the settings in %s", os.path.join(pack_dir, "triton_accel.json"),
+                    exc_info=True)
 
 
 _apply_install_config()

@@ -13,16 +13,21 @@ probe  gathers facts (OS, which Python, torch and its CUDA/ROCm build, GPUs, ins
        into a plain ``Facts`` object. torch and triton are only looked at in a subprocess
        of the target Python, so nothing that goes wrong there can crash this script.
 plan   a pure function ``plan(facts, options) -> Plan``: findings (severity, message,
-       one-line fix) and actions (exact pip command lines, config writes, --fix steps).
+       one-line fix) and actions (exact pip command lines, config writes, --fix steps),
+       folded from one check per subject (torch, wheels, GPU, CUDA, VC++ runtime, headers,
+       cache, config, the Triton package). Every GPU rule and path name comes from
+       kernels/gpu_rules.py, the file the Settings node decides with, so the two agree.
 act    runs the actions, then proves the result in a subprocess: import triton, compile
        and run a tiny kernel (on the GPU, or through the Triton interpreter on a CPU-only
        machine) and says which attention path the pack will use.
 
-Rules it keeps: standard library only; never installs, upgrades or downgrades torch (pip
-always runs with --no-deps); idempotent (a second run has nothing to do); ``--dry-run``
-changes nothing. A Triton that cannot work is not an install failure of the pack (the
+Rules it keeps: standard library only (kernels/gpu_rules.py and kernels/install_config.py
+are stdlib-only and loaded by path, never through the ``kernels`` package); never installs,
+upgrades or downgrades torch (pip always runs with --no-deps); idempotent (a second run has
+nothing to do); ``--dry-run`` changes nothing. A Triton that cannot work is not an install failure of the pack (the
 pack falls back to PyTorch attention), so the exit code is 0 then too; only a broken
-invocation (or a failed ``--venv`` bootstrap) exits non-zero.
+invocation (an unknown flag, a ``--python`` that does not exist, a failed ``--venv``
+bootstrap) exits non-zero.
 
 Developer bootstrap on a fresh clone: ``python3 install.py --venv .venv --demo``.
 """
@@ -30,11 +35,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import io
 import json
 import ntpath
 import os
-import posixpath
 import re
 import shutil
 import struct
@@ -47,11 +52,32 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 PACK_DIR = os.path.dirname(os.path.abspath(__file__))
-CONFIG_NAME = "triton_accel.json"
-# Keys of CONFIG_NAME that the pack reads (see docs/install.md):
-#   "triton_cache_dir": folder to use as TRITON_CACHE_DIR (set only when the env var is unset)
-CONFIG_KEY_CACHE = "triton_cache_dir"
-REPORT_VERSION = 1
+
+
+def _load_sibling(relative_path: str, name: str):
+    """A stdlib-only file of this pack, loaded by path: install.py runs before the pack is
+    importable (and must never import torch or triton through the ``kernels`` package). The
+    private module name cannot clash with the pack's own package, whatever its folder is called."""
+    path = os.path.join(PACK_DIR, *relative_path.split("/"))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up in sys.modules while a class is built
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+gpu_rules = _load_sibling("kernels/gpu_rules.py", "_triton_accel_gpu_rules")
+install_config = _load_sibling("kernels/install_config.py", "_triton_accel_install_config")
+
+CONFIG_NAME = install_config.CONFIG_NAME  # the pack's per-machine settings (docs/install.md)
+CONFIG_KEY_CACHE = install_config.KEY_CACHE_DIR  # folder for TRITON_CACHE_DIR when the env var is unset
+# 2: path names are gpu_rules' ("triton_fp8", not "triton-fp8"); plan has blockers and
+# expected_paths; facts.config holds only checked values, facts.config_problems the rest.
+REPORT_VERSION = 2
 
 VCRT_DLLS = ("msvcp140.dll", "vcruntime140.dll", "vcruntime140_1.dll")
 VCRT_MIN = (14, 42)
@@ -277,7 +303,8 @@ class Facts:
     cache_ascii: bool = True
     cache_writable: bool = True
     cache_candidates: List[dict] = field(default_factory=list)  # [{"path", "ascii", "writable"}]
-    config: dict = field(default_factory=dict)  # current triton_accel.json
+    config: dict = field(default_factory=dict)  # triton_accel.json's values that passed their checks
+    config_problems: List[str] = field(default_factory=list)  # why the file, or a value in it, is ignored
     pack_dir: str = PACK_DIR
     probe_error: Optional[str] = None
 
@@ -364,21 +391,78 @@ def pip_argv(facts: Facts) -> List[str]:
     return python_base_argv(facts.python, facts.python_kind) + ["-m", "pip"]
 
 
-def run_probe_script(python: str, extra_flags: Sequence[str] = (), timeout: float = 300) -> dict:
-    """Run PROBE_SCRIPT in the target Python; a dict with 'error' when that fails."""
+def run_probe_script(python: str, extra_flags: Sequence[str] = (),
+                     timeout: float = 300) -> Tuple[Optional[dict], Optional[str]]:
+    """Run PROBE_SCRIPT in the target Python: (its checked report, None) or (None, why not)."""
     try:
         proc = subprocess.run([python, *extra_flags, "-c", PROBE_SCRIPT], capture_output=True,
                               text=True, timeout=timeout, errors="replace")
     except (OSError, subprocess.SubprocessError) as exc:
-        return {"error": f"could not run {python}: {exc}"}
+        return None, f"could not run {python}: {exc}"
     for line in proc.stdout.splitlines():
         if line.startswith(PROBE_MARK):
             try:
-                return json.loads(line[len(PROBE_MARK):])
-            except ValueError as exc:
-                return {"error": f"unreadable probe output: {exc}"}
+                raw = json.loads(line[len(PROBE_MARK):])
+            except (ValueError, RecursionError) as exc:
+                return None, f"unreadable probe output: {type(exc).__name__}: {exc}"
+            problem = probe_output_problem(raw)
+            return (None, f"unreadable probe output: {problem}") if problem else (raw, None)
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"probe exited with code {proc.returncode}: " + " | ".join(tail)}
+    return None, f"probe exited with code {proc.returncode}: " + " | ".join(tail)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _list_of(value, kinds) -> bool:
+    return isinstance(value, list) and all(isinstance(x, kinds) for x in value)
+
+
+def _gpu_problem(gpu) -> Optional[str]:
+    if not isinstance(gpu, dict) or not isinstance(gpu.get("name"), str):
+        return "a GPU entry without a name"
+    cap = gpu.get("capability")
+    if not (isinstance(cap, list) and len(cap) == 2 and all(_is_int(x) for x in cap)):
+        return f"GPU {gpu['name']!r} has no [major, minor] capability"
+    if not isinstance(gpu.get("arch"), (str, type(None))):
+        return f"GPU {gpu['name']!r} has a non-string arch"
+    return None
+
+
+def probe_output_problem(raw) -> Optional[str]:
+    """What is wrong with a probe report (not our PROBE_SCRIPT's output, or a Python that
+    answers oddly), or None: probe() then reads it without a KeyError or TypeError."""
+    if not isinstance(raw, dict):
+        return f"expected a JSON object, got {type(raw).__name__}"
+    for key, kinds in (("executable", str), ("prefix", str), ("base_prefix", str), ("exec_prefix", str),
+                       ("base_exec_prefix", str), ("free_threaded", bool), ("version", list)):
+        if key not in raw:
+            return f"missing {key!r}"
+        if not isinstance(raw[key], kinds):
+            return f"{key!r} has the wrong type ({type(raw[key]).__name__})"
+    if len(raw["version"]) < 2 or not all(_is_int(x) for x in raw["version"]):
+        return "'version' is not a list of numbers"
+    optional = {
+        "machine": lambda v: isinstance(v, str), "include_dir": lambda v: isinstance(v, (str, type(None))),
+        "pip": lambda v: isinstance(v, bool), "sys_path": lambda v: _list_of(v, str),
+        "site_dirs": lambda v: _list_of(v, str), "torch_requires": lambda v: _list_of(v, str),
+        "torch_error": lambda v: isinstance(v, str), "torch": lambda v: isinstance(v, dict),
+        "dists": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+    }
+    for key, ok in optional.items():
+        if key in raw and not ok(raw[key]):
+            return f"{key!r} has the wrong type ({type(raw[key]).__name__})"
+    t = raw.get("torch") or {}
+    for key, kinds in (("version", str), ("cuda", (str, type(None))), ("hip", (str, type(None))),
+                       ("cuda_available", bool), ("driver", str), ("gpus", list)):
+        if key in t and not isinstance(t[key], kinds):
+            return f"'torch.{key}' has the wrong type ({type(t[key]).__name__})"
+    for gpu in t.get("gpus", []):
+        problem = _gpu_problem(gpu)
+        if problem:
+            return problem
+    return None
 
 
 def detect_python_kind(python_dir: str, prefix: str, base_prefix: str) -> Tuple[str, Optional[str]]:
@@ -474,12 +558,9 @@ def cache_candidates(os_name: str, pack_dir: str, env: Dict[str, str]) -> List[s
 
 
 def read_config(pack_dir: str) -> dict:
-    try:
-        with open(os.path.join(pack_dir, CONFIG_NAME), encoding="utf-8") as fh:
-            data = json.load(fh)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    """Everything in triton_accel.json, unchecked (write_config keeps keys it does not know);
+    {} when the file is missing or unreadable."""
+    return install_config.read_json_object(install_config.config_path(pack_dir))[0]
 
 
 def cuda_version_of(path: str) -> Optional[List[int]]:
@@ -515,9 +596,8 @@ def probe(python: Optional[str] = None, env: Optional[Dict[str, str]] = None,
     f = Facts(os=os_name, python=python, python_dir=os.path.dirname(os.path.abspath(python)),
               pack_dir=pack_dir)
     f.python_kind, f.pth_file = detect_python_kind(f.python_dir, sys.prefix, sys.base_prefix)
-    raw = run_probe_script(python, ["-s"] if f.python_kind == "embedded" else [])
-    if "error" in raw:
-        f.probe_error = raw["error"]
+    raw, f.probe_error = run_probe_script(python, ["-s"] if f.python_kind == "embedded" else [])
+    if raw is None:
         return f
     f.python = raw["executable"] or python
     f.python_dir = os.path.dirname(f.python)
@@ -593,7 +673,8 @@ def probe(python: Optional[str] = None, env: Optional[Dict[str, str]] = None,
     f.cache_writable = dir_writable(f.triton_cache_dir)
     f.cache_candidates = [{"path": p, "ascii": is_ascii(p), "writable": dir_writable(p)}
                           for p in cache_candidates(os_name, pack_dir, env)]
-    f.config = read_config(pack_dir)
+    config = install_config.load(pack_dir)
+    f.config, f.config_problems = dict(config.values), list(config.problems)
     return f
 
 
@@ -647,13 +728,23 @@ class Target:
 
 
 @dataclass
+class Blocker:
+    """Why Triton cannot work here yet: `code` for programs (verdict() compares it, never the
+    text), `reason` for people. GPU blockers carry gpu_rules' code and reason unchanged."""
+    code: str
+    reason: str
+
+
+@dataclass
 class Plan:
     target: Optional[Target]
     findings: List[Finding]
     actions: List[Action]
-    path: str                # triton-fp8 | triton-fp16 | pytorch (expected, before the self-check)
-    path_reason: str
+    path: str                # gpu_rules' name: triton_fp8 | triton_fp16 | pytorch (expected, before the self-check)
+    path_reason: str         # the blockers' reasons, or gpu_rules.select_path()'s reason
     triton_blocked: bool
+    blockers: List[Blocker] = field(default_factory=list)
+    expected_paths: str = "PyTorch attention"  # gpu_rules.expected_paths(): what auto uses (or times) here
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -662,6 +753,20 @@ class Plan:
 @dataclass
 class Options:
     fix: bool = False
+
+
+@dataclass
+class Check:
+    """What one check of plan() found: findings to show, actions to run, blockers."""
+    findings: List[Finding] = field(default_factory=list)
+    actions: List[Action] = field(default_factory=list)
+    blockers: List[Blocker] = field(default_factory=list)
+
+    def add(self, code: str, severity: str, message: str, fix: str = "") -> None:
+        self.findings.append(Finding(code, severity, message, fix))
+
+    def block(self, code: str, reason: str) -> None:
+        self.blockers.append(Blocker(code, reason))
 
 
 def _requirement(text: str) -> Tuple[str, str, str]:
@@ -708,10 +813,7 @@ def bundled_cuda(triton_minor: Tuple[int, int]) -> Tuple[int, int]:
 def choose_target(f: Facts) -> Tuple[Optional[Target], List[Finding]]:
     """Which Triton package and version range fits this torch (None: none does)."""
     tv = parse_version(f.torch_version)
-    pins = []
-    for line in f.torch_requires:
-        name, spec, marker = _requirement(line)
-        pins.append((name, spec, marker))
+    pins = [_requirement(line) for line in f.torch_requires]  # (name, spec, marker)
     if f.os == "windows":
         if len(tv) < 2:
             return None, []
@@ -743,357 +845,493 @@ def choose_target(f: Facts) -> Tuple[Optional[Target], List[Finding]]:
         for name, spec, marker in pins:
             if not marker_applies(marker, "linux", f.machine):
                 continue
-            exact = parse_version(spec.lstrip("=")) if spec.startswith("==") else None
-            if name == "triton":
-                return Target("triton", f"triton{spec}", exact=exact,
-                              reason=f"torch {f.torch_version} requires triton{spec}"), []
-            if name in ("pytorch-triton-rocm", "pytorch-triton"):
-                t = Target(name, f"{name}{spec}", exact=exact, reason=f"torch {f.torch_version} requires {name}{spec}")
-                return t, []
+            if name in ("triton", "pytorch-triton-rocm", "pytorch-triton"):
+                exact = parse_version(spec.lstrip("=")) if spec.startswith("==") else None
+                return Target(name, f"{name}{spec}", exact=exact,
+                              reason=f"torch {f.torch_version} requires {name}{spec}"), []
         return Target("triton", "triton", reason="plain triton for the Triton interpreter (torch names no triton)"), []
     return None, []
 
 
-def plan(f: Facts, options: Optional[Options] = None) -> Plan:
-    options = options or Options()
-    findings: List[Finding] = []
-    actions: List[Action] = []
-    blocked: List[str] = []  # short reasons Triton cannot work
-    pip = pip_argv(f)
-    pyver = vstr(f.python_version)
-    join = ntpath.join if f.os == "windows" else posixpath.join  # paths of the target OS, whatever runs this
+def has_code(blockers: Sequence[Blocker], code: str) -> bool:
+    return any(b.code == code for b in blockers)
 
-    def add(code, severity, message, fix=""):
-        findings.append(Finding(code, severity, message, fix))
 
+def target_minor(target: Optional[Target]) -> Optional[Tuple[int, int]]:
+    """The Triton minor the target pins (triton-windows' minor, or torch's exact pin), if any."""
+    if target is None:
+        return None
+    if target.minor:
+        return tuple(target.minor)
+    if target.exact:
+        return tuple(target.exact[:2])
+    return None
+
+
+def expected_triton(f: Facts, target: Optional[Target]) -> Optional[str]:
+    """The Triton version the pack imports once install.py's actions are done: the installed one
+    when it fits torch, else what pip is asked for (torch's exact pin, or the triton-windows
+    minor); None: unknown (a target without a version and nothing installed: pip picks)."""
+    if target is None:
+        return None
+    have = f.installed.get(target.package)
+    if target.satisfied_by(have):
+        return have
+    if target.exact:
+        return vstr(target.exact)
+    if target.minor:
+        return vstr(target.minor)
+    return None
+
+
+def visible_gpu(f: Facts) -> Optional[dict]:
+    """The first GPU torch sees (NVIDIA, or AMD through ROCm), as ComfyUI will use it."""
+    return f.gpus[0] if f.cuda_available and f.gpus else None
+
+
+def device_facts(f: Facts, gpu: dict, triton_version: Optional[str]):
+    """gpu_rules' Facts for this GPU, as the Settings node will probe it after install.py's
+    actions. An unknown Triton version (None) becomes "": installed, version not known, so only
+    the rules that do not depend on it apply (gpu_rules reads None as "not importable")."""
+    amd = bool(f.torch_hip)
+    return gpu_rules.Facts(
+        device="cuda:0", vendor="amd" if amd else "nvidia", name=gpu.get("name") or "",
+        capability=None if amd else tuple(gpu["capability"]), arch=(gpu.get("arch") or "").split(":")[0],
+        torch_version=f.torch_version or "", torch_cuda=f.torch_cuda,
+        triton_version="" if triton_version is None else triton_version,
+        implemented=frozenset({gpu_rules.PATH_TRITON_FP16, gpu_rules.PATH_TRITON_FP8}))
+
+
+# ---- the checks plan() folds, in the order their findings are shown -------------------
+
+def check_probe_and_os(f: Facts) -> Check:
+    """Nothing else can be checked when the probe failed, and there is no Triton on macOS."""
+    c = Check()
     if f.probe_error:
-        add("PROBE_FAILED", "error", f"Could not inspect {f.python}: {f.probe_error}",
-            "Run install.py with the Python that runs ComfyUI (portable: python_embeded\\python.exe).")
-        return Plan(None, findings, actions, "pytorch", "the target Python could not be inspected", True)
+        c.add("PROBE_FAILED", "error", f"Could not inspect {f.python}: {f.probe_error}",
+              "Run install.py with the Python that runs ComfyUI (portable: python_embeded\\python.exe).")
+        c.block("PROBE_FAILED", "the target Python could not be inspected")
+    elif f.os == "darwin":
+        c.add("NO_TRITON_OS", "info", "Triton does not run on macOS; the pack uses PyTorch attention there.")
+        c.block("NO_TRITON_OS", "Triton does not run on macOS")
+    return c
 
-    if f.os == "darwin":
-        add("NO_TRITON_OS", "info", "Triton does not run on macOS; the pack uses PyTorch attention there.")
-        return Plan(None, findings, actions, "pytorch", "Triton does not run on macOS", True)
 
-    # --- torch -------------------------------------------------------------------------
-    target: Optional[Target] = None
+def check_torch(f: Facts) -> Tuple[Check, Optional[Target]]:
+    """torch present and importable, and the Triton package that matches it."""
+    c = Check()
     if not f.torch_version:
-        add("TORCH_MISSING", "error",
-            f"torch is not installed in {f.python}: the pack needs ComfyUI's torch, and install.py never installs torch.",
-            "Install ComfyUI and its requirements first (portable: run "
-            "update\\update_comfyui_and_python_dependencies.bat), then run install.py again.")
-        blocked.append("torch is not installed")
-    elif f.torch_error:
-        add("TORCH_BROKEN", "error", f"torch {f.torch_version} is installed but does not import: {f.torch_error}",
-            "Repair torch in this Python (ComfyUI cannot start without it), then run install.py again.")
-        blocked.append("torch does not import")
-    else:
-        target, more = choose_target(f)
-        findings.extend(more)
-        if target is None and f.os == "windows":
-            blocked.append(f"no triton-windows fits torch {f.torch_version}")
+        c.add("TORCH_MISSING", "error",
+              f"torch is not installed in {f.python}: the pack needs ComfyUI's torch, and install.py never installs "
+              "torch.",
+              "Install ComfyUI and its requirements first (portable: run "
+              "update\\update_comfyui_and_python_dependencies.bat), then run install.py again.")
+        c.block("TORCH_MISSING", "torch is not installed")
+        return c, None
+    if f.torch_error:
+        c.add("TORCH_BROKEN", "error", f"torch {f.torch_version} is installed but does not import: {f.torch_error}",
+              "Repair torch in this Python (ComfyUI cannot start without it), then run install.py again.")
+        c.block("TORCH_BROKEN", "torch does not import")
+        return c, None
+    target, findings = choose_target(f)
+    c.findings.extend(findings)
+    if target is None and f.os == "windows":
+        c.block(findings[0].code if findings else "TORCH_UNKNOWN", f"no triton-windows fits torch {f.torch_version}")
+    return c, target
 
-    tv = parse_version(f.torch_version)
-    gpu = f.gpus[0] if f.gpus else None
-    cap = tuple(gpu["capability"]) if gpu else None
-    is_rocm = bool(f.torch_hip)
-    tminor: Optional[Tuple[int, int]] = None
-    if target is not None:
-        if target.minor:
-            tminor = tuple(target.minor)
-        elif target.exact:
-            tminor = tuple(target.exact[:2])
 
-    # --- Python version vs triton-windows wheels ------------------------------------
-    if f.os == "windows" and target is not None and target.minor:
+def check_python_wheels(f: Facts, target: Optional[Target]) -> Check:
+    """Windows: does triton-windows have a wheel for this Python (and can its TinyCC build for it)?"""
+    c = Check()
+    if f.os != "windows":
+        return c
+    pyver = vstr(f.python_version)
+    if target is not None and target.minor:
         lo, hi = triton_windows_python_range(target.minor[1])
-        pv = f.python_version[:2]
-        if not (3, lo) <= tuple(pv) <= (3, hi):
-            add("PYTHON_UNSUPPORTED", "error",
-                f"import error from an unsupported Python: triton-windows {vstr(target.minor)} has wheels for "
-                f"Python 3.{lo} to 3.{hi} only, and this Python is {pyver}, so pip finds no wheel "
-                f"(or 'import triton' fails).",
-                f"Use a ComfyUI portable or venv with Python 3.{min(max(12, lo), hi)} "
-                f"(check with: \"{f.python}\" --version).")
-            blocked.append(f"Python {pyver} is not supported by triton-windows {vstr(target.minor)}")
-            target_installable = False
-        else:
-            target_installable = True
-    else:
-        target_installable = target is not None
-    if f.free_threaded and f.os == "windows":
-        add("FREE_THREADED", "warning",
-            f"Free-threaded Python {pyver}t: triton-windows' bundled TinyCC cannot build for it; "
-            f"Triton then needs MSVC.",
-            "Install Visual Studio Build Tools with 'Desktop development with C++', or use a regular (GIL) Python.")
+        if not (3, lo) <= tuple(f.python_version[:2]) <= (3, hi):
+            c.add("PYTHON_UNSUPPORTED", "error",
+                  f"import error from an unsupported Python: triton-windows {vstr(target.minor)} has wheels for "
+                  f"Python 3.{lo} to 3.{hi} only, and this Python is {pyver}, so pip finds no wheel "
+                  f"(or 'import triton' fails).",
+                  f"Use a ComfyUI portable or venv with Python 3.{min(max(12, lo), hi)} "
+                  f"(check with: \"{f.python}\" --version).")
+            c.block("PYTHON_UNSUPPORTED", f"Python {pyver} is not supported by triton-windows {vstr(target.minor)}")
+    if f.free_threaded:
+        c.add("FREE_THREADED", "warning",
+              f"Free-threaded Python {pyver}t: triton-windows' bundled TinyCC cannot build for it; "
+              f"Triton then needs MSVC.",
+              "Install Visual Studio Build Tools with 'Desktop development with C++', or use a regular (GIL) Python.")
+    return c
 
-    # --- GPU ---------------------------------------------------------------------------
-    gpu_ok = False
-    if f.torch_version and not f.torch_error:
-        if is_rocm:
-            add("ROCM", "info",
-                f"torch is a ROCm build (HIP {f.torch_hip}); the pack's Triton kernels are not validated on AMD "
-                f"GPUs yet, so auto uses PyTorch attention here (fp16 in the Settings node tries them).")
-            blocked.append("ROCm is not supported by the pack's kernels")
-        elif not f.cuda_available or not gpu:
-            if f.torch_cuda:
-                add("NO_GPU", "warning",
-                    f"torch {f.torch_version} is a CUDA build but sees no NVIDIA GPU (driver missing or "
-                    f"CUDA_VISIBLE_DEVICES empty?).",
-                    "Check that nvidia-smi lists the GPU; update the NVIDIA driver.")
-            else:
-                add("NO_GPU", "info",
-                    f"torch {f.torch_version} is a CPU-only build: Triton kernels need an NVIDIA GPU, so the pack "
-                    f"uses PyTorch attention (the Triton interpreter serves tests only).",
-                    "For GPU acceleration install a CUDA build of torch (see ComfyUI's install instructions).")
-            blocked.append("no NVIDIA GPU")
-        else:
-            name = gpu.get("name", "GPU")
-            sm = f"sm_{cap[0]}{cap[1]}"
-            if cap < (7, 5):
-                add("GPU_TOO_OLD", "error",
-                    f"{name} is {sm}: Triton supports sm_75 and newer, so the pack uses PyTorch attention on it.",
-                    "Nothing to fix: the pack falls back to PyTorch attention on this GPU by itself.")
-                blocked.append(f"{sm} is older than Triton supports")
-            elif cap[0] == 7 and tminor is not None and tminor >= (3, 3):
-                pkg = target.package if target else "triton"
-                add("GPU_TURING_DROPPED", "error",
-                    f"{name} is {sm} (Turing): Triton 3.3 and newer dropped it, and torch {f.torch_version} "
-                    f"needs {pkg} {vstr(tminor)}.",
-                    f"For Triton on this GPU use torch 2.6 with {pkg}<3.3; otherwise nothing to fix: "
-                    f"the pack uses PyTorch attention.")
-                blocked.append(f"{sm} is not supported by Triton {vstr(tminor)}")
-            elif cap[0] >= 10 and (tv[:2] < (2, 7) or parse_version(f.torch_cuda)[:2] < (12, 8)):
-                add("GPU_NEEDS_CU128", "error",
-                    f"{name} is {sm} (Blackwell): it needs torch 2.7 or newer built for CUDA 12.8 or newer, "
-                    f"and this torch is {f.torch_version} (CUDA {f.torch_cuda}).",
-                    f"Install a cu128 build of torch: {cmdline(pip)} install -U torch torchvision torchaudio "
-                    f"--index-url https://download.pytorch.org/whl/cu128")
-                blocked.append(f"{sm} needs torch 2.7+ with CUDA 12.8+")
-            else:
-                gpu_ok = True
 
-    # --- CUDA toolchain (torch build vs the CUDA Triton compiles with) -----------------
-    if f.torch_cuda and not is_rocm and tminor is not None and f.os == "windows":
+def gpu_finding_text(rule, f: Facts, name: str, cap: Tuple[int, int], target: Optional[Target],
+                     triton: Optional[str]) -> Tuple[str, str]:
+    """install.py's message and fix line for one of gpu_rules' NVIDIA rules (chosen by code)."""
+    sm = gpu_rules.sm(cap)
+    pkg = target.package if target else "triton"
+    minor = vstr(parse_version(triton)[:2])
+    cu128 = (f"{cmdline(pip_argv(f))} install -U torch torchvision torchaudio "
+             "--index-url https://download.pytorch.org/whl/cu128")
+    if rule.code == gpu_rules.GPU_TOO_OLD:
+        return (f"{name} is {sm}: Triton supports sm_75 and newer, so the pack uses PyTorch attention on it.",
+                "Nothing to fix: the pack falls back to PyTorch attention on this GPU by itself.")
+    if rule.code == gpu_rules.TURING_DROPPED:
+        return (f"{name} is {sm} (Turing): Triton 3.3 and newer dropped it, and torch {f.torch_version} "
+                f"needs {pkg} {minor}.",
+                f"For Triton on this GPU use torch 2.6 with {pkg}<3.3; otherwise nothing to fix: "
+                f"the pack uses PyTorch attention.")
+    if rule.code == gpu_rules.BLACKWELL_TORCH:
+        return (f"{name} is {sm} (Blackwell): it needs torch 2.7 or newer built for CUDA 12.8 or newer, "
+                f"and this torch is {f.torch_version} (CUDA {f.torch_cuda}).",
+                f"Install a cu128 build of torch: {cu128}")
+    if rule.code == gpu_rules.BLACKWELL_TRITON:
+        return (f"{name} is {sm} (Blackwell): it needs Triton 3.3 or newer, and torch {f.torch_version} "
+                f"needs {pkg} {minor}.",
+                f"Install a torch build that pairs with Triton 3.3 or newer (2.7+, CUDA 12.8+): {cu128}")
+    return (f"{rule.reason}.", "Nothing to fix here: the pack uses PyTorch attention on this GPU.")
+
+
+def check_gpu(f: Facts, target: Optional[Target]) -> Check:
+    """gpu_rules' blockers for the first GPU, in install.py's words; codes and the blockers'
+    reasons are gpu_rules' own, so the Settings node and install.py cannot disagree."""
+    c = Check()
+    if not f.torch_version or f.torch_error:
+        return c  # check_torch said why
+    gpu = visible_gpu(f)
+    no_gpu = gpu_rules.device_blocker(gpu_rules.Facts(device="cpu", vendor="cpu"))
+    if f.torch_hip:
+        # select_path() decides AMD in fold(): auto keeps PyTorch there (AMD_NOT_VALIDATED).
+        c.add("ROCM", "info",
+              f"torch is a ROCm build (HIP {f.torch_hip}); the pack's Triton kernels are not validated on AMD "
+              f"GPUs yet, so auto uses PyTorch attention here (fp16 in the Settings node tries them).")
+        if gpu is None:
+            c.block(no_gpu.code, no_gpu.reason)
+        return c
+    if gpu is None:
+        if f.torch_cuda:
+            c.add("NO_GPU", "warning",
+                  f"torch {f.torch_version} is a CUDA build but sees no NVIDIA GPU (driver missing or "
+                  f"CUDA_VISIBLE_DEVICES empty?).",
+                  "Check that nvidia-smi lists the GPU; update the NVIDIA driver.")
+        else:
+            c.add("NO_GPU", "info",
+                  f"torch {f.torch_version} is a CPU-only build: Triton kernels need an NVIDIA GPU, so the pack "
+                  f"uses PyTorch attention (the Triton interpreter serves tests only).",
+                  "For GPU acceleration install a CUDA build of torch (see ComfyUI's install instructions).")
+        c.block(no_gpu.code, no_gpu.reason)
+        return c
+    name, cap = gpu.get("name") or "GPU", tuple(gpu["capability"])
+    triton = expected_triton(f, target)
+    rule = gpu_rules.nvidia_gpu_blocker(name, cap, triton, f.torch_version, f.torch_cuda)
+    if rule is not None:
+        message, fix = gpu_finding_text(rule, f, name, cap, target, triton)
+        c.add(rule.code, "error", message, fix)
+        c.block(rule.code, rule.reason)
+    return c
+
+
+def check_cuda_toolchain(f: Facts, target: Optional[Target]) -> Check:
+    """Windows: the CUDA triton-windows compiles with vs torch's build, the driver, and CUDA_PATH."""
+    c = Check()
+    if f.os != "windows":
+        return c
+    tminor = target_minor(target)
+    if f.torch_cuda and not f.torch_hip and tminor is not None:
         tc = parse_version(f.torch_cuda)[:2]
         bc = bundled_cuda(tminor)
         driver = parse_version(f.cuda_driver)[:2]
         if tc and tc < bc and not (driver and driver >= bc):
             drv = f"this driver supports CUDA {vstr(driver)}" if driver else "the driver's CUDA version is unknown"
             hard = bool(driver) and driver[0] < bc[0]
-            add("CUDA_MISMATCH", "error" if hard else "warning",
-                f"CUDA version mismatch between torch and Triton: torch is built for CUDA {f.torch_cuda} but "
-                f"{target.package if target else 'Triton'} {vstr(tminor)} compiles kernels with its bundled "
-                f"CUDA {vstr(bc)}, which needs a driver for CUDA {vstr(bc)} or newer ({drv}).",
-                f"Update the NVIDIA driver ({DRIVER_FOR_CUDA.get(bc, 'a recent one')} or newer for CUDA {vstr(bc)}), "
-                f"or install a cu{bc[0]}{bc[1]} build of torch.")
+            c.add("CUDA_MISMATCH", "error" if hard else "warning",
+                  f"CUDA version mismatch between torch and Triton: torch is built for CUDA {f.torch_cuda} but "
+                  f"{target.package} {vstr(tminor)} compiles kernels with its bundled "
+                  f"CUDA {vstr(bc)}, which needs a driver for CUDA {vstr(bc)} or newer ({drv}).",
+                  f"Update the NVIDIA driver ({DRIVER_FOR_CUDA.get(bc, 'a recent one')} or newer for CUDA "
+                  f"{vstr(bc)}), or install a cu{bc[0]}{bc[1]} build of torch.")
             if hard:
-                blocked.append(f"the driver is older than CUDA {vstr(bc)}")
-    if f.os == "windows" and f.cuda_path and f.cuda_path_version and f.cuda_path_version[0] < 12:
+                c.block("CUDA_MISMATCH", f"the driver is older than CUDA {vstr(bc)}")
+    if f.cuda_path and f.cuda_path_version and f.cuda_path_version[0] < 12:
         torch_part = f"torch uses CUDA {f.torch_cuda}" if f.torch_cuda else "Triton needs CUDA 12"
-        add("CUDA_PATH_OLD", "error",
-            f"CUDA version mismatch between torch and Triton: CUDA_PATH points at CUDA "
-            f"{vstr(f.cuda_path_version)} ({f.cuda_path}); Triton then uses that CUDA {f.cuda_path_version[0]} toolchain instead of "
-            f"its bundled one, while {torch_part}.",
-            "Clear it for ComfyUI (add 'set CUDA_PATH=' to the .bat that starts ComfyUI), or point it at CUDA 12.8 or newer.")
-        blocked.append(f"CUDA_PATH points at CUDA {f.cuda_path_version[0]}")
+        c.add("CUDA_PATH_OLD", "error",
+              f"CUDA version mismatch between torch and Triton: CUDA_PATH points at CUDA "
+              f"{vstr(f.cuda_path_version)} ({f.cuda_path}); Triton then uses that CUDA {f.cuda_path_version[0]} "
+              f"toolchain instead of its bundled one, while {torch_part}.",
+              "Clear it for ComfyUI (add 'set CUDA_PATH=' to the .bat that starts ComfyUI), or point it at CUDA "
+              "12.8 or newer.")
+        c.block("CUDA_PATH_OLD", f"CUDA_PATH points at CUDA {f.cuda_path_version[0]}")
+    return c
 
-    # --- Windows: VC++ runtime, Python headers, CC, long paths --------------------------
-    if f.os == "windows":
-        sysdir = f.vcrt_dir or r"C:\Windows\System32"
-        vc_bad = False
-        for dll in VCRT_DLLS:
-            if dll not in f.vcrt_system:
-                continue  # unknown (read error reported below)
-            ver = f.vcrt_system[dll]
-            if ver is None:
-                add("VCRT_MISSING", "error",
-                    f"compile failure from missing VC++ runtime: {dll} is not in {sysdir}, so triton's libtriton "
-                    f"cannot load ('DLL load failed while importing libtriton').",
-                    f"Install the latest Microsoft Visual C++ Redistributable (x64): {VC_REDIST_URL}")
-                vc_bad = True
-            elif tuple(ver[:2]) < VCRT_MIN:
-                add("VCRT_OLD", "error",
-                    f"compile failure from missing VC++ runtime: {dll} in {sysdir} is version {vstr(ver)}; "
-                    f"triton-windows needs {vstr(VCRT_MIN)} or newer.",
-                    f"Install the latest Microsoft Visual C++ Redistributable (x64): {VC_REDIST_URL}")
-                vc_bad = True
-        for path, err in sorted(f.vcrt_errors.items()):
-            add("VCRT_UNREADABLE", "warning", f"Could not read the version of {path}: {err}",
-                f"Reinstall the Microsoft Visual C++ Redistributable (x64): {VC_REDIST_URL}")
-        stale = []
-        pydir = f.vcrt_python_dir or f.python_dir
-        for dll, ver in sorted(f.vcrt_python.items()):
-            sys_ver = f.vcrt_system.get(dll)
-            if tuple(ver[:2]) < VCRT_MIN:
-                stale.append(dll)
-                newer = f"the newer one in System32 ({vstr(sys_ver)})" if sys_ver else "a current one"
-                if f.python_kind == "conda":
-                    fix = "conda install -c conda-forge vc14_runtime"
-                else:
-                    fix = (f"Copy msvcp140.dll, vcruntime140.dll and vcruntime140_1.dll from {sysdir} into "
-                           f"{pydir} (install.py --fix does it and keeps the old files as .old)")
-                add("VCRT_SHADOW", "error",
-                    f"An old {dll} ({vstr(ver)}) in the Python folder {pydir} is loaded instead of {newer}: "
-                    f"the usual cause of 'DLL load failed while importing libtriton'.", fix)
-        if vc_bad:
-            blocked.append("the VC++ runtime is missing or too old")
-        if stale:
-            blocked.append("old VC++ runtime DLLs in the Python folder")
-            sys_good = all(f.vcrt_system.get(d) and tuple(f.vcrt_system[d][:2]) >= VCRT_MIN for d in stale)
-            if options.fix and f.python_kind != "conda" and sys_good:
-                actions.append(Action(
-                    "copy-vcrt", f"copy {', '.join(stale)} from {sysdir} into {pydir} (old files kept as .old)",
-                    data={"src_dir": sysdir, "dst_dir": pydir, "dlls": stale}))
 
-        # Python.h / python3XX.lib
-        tag = "%d%d%s" % (f.python_version[0], f.python_version[1], "t" if f.free_threaded else "")
-        target_dir = f.headers_target or f.python_dir
-        nuget_ok = not f.free_threaded and re.fullmatch(r"\d+\.\d+\.\d+", pyver) is not None
-        by_hand = (f"by hand: unzip {NUGET_URL.format(v=pyver)} and copy its tools\\include and tools\\libs "
-                   f"folders into {target_dir}")
-        fix_line = (f"Run install.py --fix (downloads Python {pyver}'s include and libs from nuget.org into "
-                    f"{target_dir}); {by_hand}") if nuget_ok else (
-            f"Copy the include and libs folders of a Python {pyver} install with the free-threaded binaries "
-            f"(python.org installer option) into {target_dir}" if f.free_threaded else
-            f"Copy the include and libs folders of a Python {pyver} install into {target_dir}")
-        headers_bad = False
-        if not f.python_h:
-            add("PYTHON_H_MISSING", "error",
-                f"Python.h is missing ({join(f.include_dir or target_dir, 'Python.h')}): Triton cannot build "
-                f"its launcher (tcc 'exit status 1' / 'Python.h: No such file or directory').", fix_line)
-            headers_bad = True
-        elif f.include_minor is not None and f.include_minor != f.python_version[1]:
-            add("PYTHON_H_WRONG", "error",
-                f"The include folder {f.include_dir} is for Python 3.{f.include_minor}, but this Python is {pyver}: "
-                f"Triton builds fail or crash ('DLL load failed while importing cuda_utils').", fix_line)
-            headers_bad = True
-        if not f.python_lib:
-            where = ", ".join(join(d, "libs") for d in f.python_lib_dirs) or target_dir
-            add("PYTHON_LIB_MISSING", "error",
-                f"python{tag}.lib is not in {where}: Triton warns 'Failed to find Python libs.' and cannot link "
-                f"its launcher.", fix_line)
-            headers_bad = True
-        if headers_bad:
-            missing = [n for n, bad in (("Python.h", not f.python_h or f.include_minor not in (None, f.python_version[1])),
-                                        (f"python{tag}.lib", not f.python_lib)) if bad]
-            blocked.append(" and ".join(missing) + (" is" if len(missing) == 1 else " are") + " missing or wrong")
-            if options.fix and nuget_ok:
-                actions.append(Action("fix-headers",
-                                      f"download Python {pyver} include/libs from nuget.org into {target_dir}",
-                                      data={"version": pyver, "target": target_dir}))
+def check_vc_runtime(f: Facts, options: Options) -> Check:
+    """Windows: the VC++ runtime DLLs libtriton loads (System32's, and older copies that shadow them)."""
+    c = Check()
+    if f.os != "windows":
+        return c
+    sysdir = f.vcrt_dir or r"C:\Windows\System32"
+    bad_codes = []
+    for dll in VCRT_DLLS:
+        if dll not in f.vcrt_system:
+            continue  # unknown (read error reported below)
+        ver = f.vcrt_system[dll]
+        if ver is None:
+            c.add("VCRT_MISSING", "error",
+                  f"compile failure from missing VC++ runtime: {dll} is not in {sysdir}, so triton's libtriton "
+                  f"cannot load ('DLL load failed while importing libtriton').",
+                  f"Install the latest Microsoft Visual C++ Redistributable (x64): {VC_REDIST_URL}")
+            bad_codes.append("VCRT_MISSING")
+        elif tuple(ver[:2]) < VCRT_MIN:
+            c.add("VCRT_OLD", "error",
+                  f"compile failure from missing VC++ runtime: {dll} in {sysdir} is version {vstr(ver)}; "
+                  f"triton-windows needs {vstr(VCRT_MIN)} or newer.",
+                  f"Install the latest Microsoft Visual C++ Redistributable (x64): {VC_REDIST_URL}")
+            bad_codes.append("VCRT_OLD")
+    for path, err in sorted(f.vcrt_errors.items()):
+        c.add("VCRT_UNREADABLE", "warning", f"Could not read the version of {path}: {err}",
+              f"Reinstall the Microsoft Visual C++ Redistributable (x64): {VC_REDIST_URL}")
+    stale = []
+    pydir = f.vcrt_python_dir or f.python_dir
+    for dll, ver in sorted(f.vcrt_python.items()):
+        sys_ver = f.vcrt_system.get(dll)
+        if tuple(ver[:2]) < VCRT_MIN:
+            stale.append(dll)
+            newer = f"the newer one in System32 ({vstr(sys_ver)})" if sys_ver else "a current one"
+            if f.python_kind == "conda":
+                fix = "conda install -c conda-forge vc14_runtime"
+            else:
+                fix = (f"Copy msvcp140.dll, vcruntime140.dll and vcruntime140_1.dll from {sysdir} into "
+                       f"{pydir} (install.py --fix does it and keeps the old files as .old)")
+            c.add("VCRT_SHADOW", "error",
+                  f"An old {dll} ({vstr(ver)}) in the Python folder {pydir} is loaded instead of {newer}: "
+                  f"the usual cause of 'DLL load failed while importing libtriton'.", fix)
+    if bad_codes:
+        c.block(bad_codes[0], "the VC++ runtime is missing or too old")
+    if stale:
+        c.block("VCRT_SHADOW", "old VC++ runtime DLLs in the Python folder")
+        sys_good = all(f.vcrt_system.get(d) and tuple(f.vcrt_system[d][:2]) >= VCRT_MIN for d in stale)
+        if options.fix and f.python_kind != "conda" and sys_good:
+            c.actions.append(Action(
+                "copy-vcrt", f"copy {', '.join(stale)} from {sysdir} into {pydir} (old files kept as .old)",
+                data={"src_dir": sysdir, "dst_dir": pydir, "dlls": stale}))
+    return c
 
-        if f.cc and not f.cc_is_file:
-            add("CC_NOT_FILE", "error",
-                f"CC is set to '{f.cc}', which is not the path of one compiler file; Triton runs CC as a single "
-                f"path and fails (PermissionError [WinError 5] or 'file not found').",
-                "Unset it (set CC=) so Triton uses its bundled TinyCC, or set it to the full path of one compiler executable.")
-            blocked.append("CC is not a compiler path")
-        if f.long_paths_enabled is False:
-            add("LONG_PATHS", "warning",
-                "Windows long paths are disabled (LongPathsEnabled=0): deep Triton / inductor cache paths fail "
-                "with WinError 206 or FileNotFoundError.",
-                f"As administrator run: reg add HKLM\\{LONG_PATHS_KEY} /v LongPathsEnabled /t REG_DWORD /d 1 /f, then reboot.")
 
-    # --- shadows -----------------------------------------------------------------------
+def check_python_headers(f: Facts, options: Options) -> Check:
+    """Windows: include/Python.h and libs/python3XX.lib, which Triton's launcher build needs."""
+    c = Check()
+    if f.os != "windows":
+        return c
+    pyver = vstr(f.python_version)
+    tag = "%d%d%s" % (f.python_version[0], f.python_version[1], "t" if f.free_threaded else "")
+    target_dir = f.headers_target or f.python_dir
+    nuget_ok = not f.free_threaded and re.fullmatch(r"\d+\.\d+\.\d+", pyver) is not None
+    by_hand = (f"by hand: unzip {NUGET_URL.format(v=pyver)} and copy its tools\\include and tools\\libs "
+               f"folders into {target_dir}")
+    fix_line = (f"Run install.py --fix (downloads Python {pyver}'s include and libs from nuget.org into "
+                f"{target_dir}); {by_hand}") if nuget_ok else (
+        f"Copy the include and libs folders of a Python {pyver} install with the free-threaded binaries "
+        f"(python.org installer option) into {target_dir}" if f.free_threaded else
+        f"Copy the include and libs folders of a Python {pyver} install into {target_dir}")
+    header_wrong = f.python_h and f.include_minor is not None and f.include_minor != f.python_version[1]
+    if not f.python_h:
+        c.add("PYTHON_H_MISSING", "error",
+              f"Python.h is missing ({ntpath.join(f.include_dir or target_dir, 'Python.h')}): Triton cannot build "
+              f"its launcher (tcc 'exit status 1' / 'Python.h: No such file or directory').", fix_line)
+    elif header_wrong:
+        c.add("PYTHON_H_WRONG", "error",
+              f"The include folder {f.include_dir} is for Python 3.{f.include_minor}, but this Python is {pyver}: "
+              f"Triton builds fail or crash ('DLL load failed while importing cuda_utils').", fix_line)
+    if not f.python_lib:
+        where = ", ".join(ntpath.join(d, "libs") for d in f.python_lib_dirs) or target_dir
+        c.add("PYTHON_LIB_MISSING", "error",
+              f"python{tag}.lib is not in {where}: Triton warns 'Failed to find Python libs.' and cannot link "
+              f"its launcher.", fix_line)
+    missing = [n for n, bad in (("Python.h", not f.python_h or header_wrong), (f"python{tag}.lib", not f.python_lib))
+               if bad]
+    if missing:
+        verb = " is" if len(missing) == 1 else " are"
+        c.block(c.findings[0].code, " and ".join(missing) + verb + " missing or wrong")
+        if options.fix and nuget_ok:
+            c.actions.append(Action("fix-headers",
+                                    f"download Python {pyver} include/libs from nuget.org into {target_dir}",
+                                    data={"version": pyver, "target": target_dir}))
+    return c
+
+
+def check_build_environment(f: Facts) -> Check:
+    """Windows: a CC Triton cannot run, and long paths (deep cache paths)."""
+    c = Check()
+    if f.os != "windows":
+        return c
+    if f.cc and not f.cc_is_file:
+        c.add("CC_NOT_FILE", "error",
+              f"CC is set to '{f.cc}', which is not the path of one compiler file; Triton runs CC as a single "
+              f"path and fails (PermissionError [WinError 5] or 'file not found').",
+              "Unset it (set CC=) so Triton uses its bundled TinyCC, or set it to the full path of one compiler "
+              "executable.")
+        c.block("CC_NOT_FILE", "CC is not a compiler path")
+    if f.long_paths_enabled is False:
+        c.add("LONG_PATHS", "warning",
+              "Windows long paths are disabled (LongPathsEnabled=0): deep Triton / inductor cache paths fail "
+              "with WinError 206 or FileNotFoundError.",
+              f"As administrator run: reg add HKLM\\{LONG_PATHS_KEY} /v LongPathsEnabled /t REG_DWORD /d 1 /f, "
+              "then reboot.")
+    return c
+
+
+def check_shadows(f: Facts) -> Check:
+    c = Check()
     for path in f.shadows:
-        add("TRITON_SHADOWED", "error",
-            f"{path} shadows the triton package: 'import triton' loads it instead ('triton' is not a package).",
-            f"Rename or move {path}.")
-        blocked.append(f"{path} shadows triton")
+        c.add("TRITON_SHADOWED", "error",
+              f"{path} shadows the triton package: 'import triton' loads it instead ('triton' is not a package).",
+              f"Rename or move {path}.")
+        c.block("TRITON_SHADOWED", f"{path} shadows triton")
+    return c
 
-    # --- Triton cache folder -----------------------------------------------------------
-    cache_problem = None
+
+def check_triton_cache(f: Facts) -> Check:
+    """The Triton cache folder: non-ASCII on Windows, or not writable; pick a safe one if we may."""
+    c = Check()
     if f.triton_cache_dir and not f.cache_ascii and f.os == "windows":
-        cache_problem = ("CACHE_NON_ASCII", f"The Triton cache {f.triton_cache_dir} has non-ASCII characters in its "
-                                            f"path, which break TinyCC / ptxas builds")
+        code, msg = ("CACHE_NON_ASCII", f"The Triton cache {f.triton_cache_dir} has non-ASCII characters in its "
+                                        f"path, which break TinyCC / ptxas builds")
     elif f.triton_cache_dir and not f.cache_writable:
-        cache_problem = ("CACHE_NOT_WRITABLE", f"The Triton cache {f.triton_cache_dir} is not writable "
-                                               f"(PermissionError [WinError 5] / [Errno 13])")
-    if cache_problem:
-        code, msg = cache_problem
-        safe = next((c["path"] for c in f.cache_candidates if c.get("ascii") and c.get("writable")), None)
-        example = safe or ("C:\\triton-cache" if f.os == "windows" else "/tmp/triton-cache")
-        if f.cache_from_env:  # the user's own setting wins over the pack's config: they must change it
-            add(code, "error", msg + " (it comes from the TRITON_CACHE_DIR environment variable).",
-                f"Set TRITON_CACHE_DIR to a writable folder with an ASCII-only path, e.g. {example}.")
-            blocked.append("TRITON_CACHE_DIR is unusable")
-        elif safe is None:
-            add(code, "error", msg + ", and install.py found no safe folder for it.",
-                f"Set TRITON_CACHE_DIR to a writable folder with an ASCII-only path, e.g. {example}.")
-            blocked.append("no usable Triton cache folder")
-        else:
-            add(code, "warning", msg + ".",
-                f"install.py sets {safe} as the pack's Triton cache ({CONFIG_NAME}, key {CONFIG_KEY_CACHE}); "
-                f"for other tools set TRITON_CACHE_DIR={safe}.")
-            if f.config.get(CONFIG_KEY_CACHE) != safe:
-                actions.append(Action("mkdir", f"create the Triton cache folder {safe}", data={"path": safe}))
-                actions.append(Action("write-config", f"write {CONFIG_KEY_CACHE}={safe} to {CONFIG_NAME}",
-                                      data={"key": CONFIG_KEY_CACHE, "value": safe}))
+        code, msg = ("CACHE_NOT_WRITABLE", f"The Triton cache {f.triton_cache_dir} is not writable "
+                                           f"(PermissionError [WinError 5] / [Errno 13])")
+    else:
+        return c
+    safe = next((x["path"] for x in f.cache_candidates if x.get("ascii") and x.get("writable")), None)
+    example = safe or ("C:\\triton-cache" if f.os == "windows" else "/tmp/triton-cache")
+    if f.cache_from_env:  # the user's own setting wins over the pack's config: they must change it
+        c.add(code, "error", msg + " (it comes from the TRITON_CACHE_DIR environment variable).",
+              f"Set TRITON_CACHE_DIR to a writable folder with an ASCII-only path, e.g. {example}.")
+        c.block(code, "TRITON_CACHE_DIR is unusable")
+    elif safe is None:
+        c.add(code, "error", msg + ", and install.py found no safe folder for it.",
+              f"Set TRITON_CACHE_DIR to a writable folder with an ASCII-only path, e.g. {example}.")
+        c.block(code, "no usable Triton cache folder")
+    else:
+        c.add(code, "warning", msg + ".",
+              f"install.py sets {safe} as the pack's Triton cache ({CONFIG_NAME}, key {CONFIG_KEY_CACHE}); "
+              f"for other tools set TRITON_CACHE_DIR={safe}.")
+        if f.config.get(CONFIG_KEY_CACHE) != safe:
+            c.actions.append(Action("mkdir", f"create the Triton cache folder {safe}", data={"path": safe}))
+            c.actions.append(Action("write-config", f"write {CONFIG_KEY_CACHE}={safe} to {CONFIG_NAME}",
+                                    data={"key": CONFIG_KEY_CACHE, "value": safe}))
+    return c
 
-    # --- pip availability and the Triton package ----------------------------------------
-    if not f.pip_available and target is not None:
+
+def check_config(f: Facts) -> Check:
+    """triton_accel.json values the pack ignores (kernels/install_config.py says why)."""
+    c = Check()
+    for problem in f.config_problems:
+        c.add("CONFIG_INVALID", "warning", f"{problem}: the pack ignores it and uses Triton's default cache.",
+              f"Correct or delete it ({CONFIG_KEY_CACHE} must be an absolute path of a writable folder); "
+              f"install.py rewrites {CONFIG_NAME} when the default cache is unusable.")
+    return c
+
+
+def check_triton_install(f: Facts, target: Optional[Target], installable: bool, gpu_ok: bool) -> Check:
+    """pip, then the Triton package (install, replace, or remove plain triton on Windows), and
+    numpy for the Triton interpreter where no GPU can run Triton."""
+    c = Check()
+    if target is None:
+        return c
+    pip = pip_argv(f)
+    if not f.pip_available:
         fix = (f"Download https://bootstrap.pypa.io/get-pip.py and run: \"{f.python}\" get-pip.py"
-               if f.python_kind == "embedded" else f"{cmdline(python_base_argv(f.python, f.python_kind))} -m ensurepip --upgrade")
-        add("PIP_MISSING", "error", f"pip is not available in {f.python}, so install.py cannot install {target.package}.", fix)
-        blocked.append("pip is missing")
-        target_installable = False
-
-    if target is not None and target.package in ("pytorch-triton-rocm", "pytorch-triton"):
+               if f.python_kind == "embedded"
+               else f"{cmdline(python_base_argv(f.python, f.python_kind))} -m ensurepip --upgrade")
+        c.add("PIP_MISSING", "error",
+              f"pip is not available in {f.python}, so install.py cannot install {target.package}.", fix)
+        c.block("PIP_MISSING", "pip is missing")
+        installable = False
+    if target.package in ("pytorch-triton-rocm", "pytorch-triton"):
         have = f.installed.get(target.package)
         if not target.satisfied_by(have):
             local = re.search(r"\+((?:rocm|cu)[0-9.]+)$", f.torch_version or "")
-            index = "https://download.pytorch.org/whl/" + (local.group(1) if local else "<your torch build, e.g. rocm6.4>")
-            add("TRITON_FROM_PYTORCH_INDEX", "warning",
-                f"torch needs {target.spec}, which is only on the PyTorch package index (installed: {have or 'none'}).",
-                cmdline(pip + ["install", "--no-deps", target.spec, "--index-url", index]))
-        target_installable = False
-
-    if target is not None and target_installable:
-        have = f.installed.get(target.package)
-        conflict = f.os == "windows" and "triton" in f.installed
-        if conflict:
-            old = f.installed["triton"]
-            add("TRITON_CONFLICT", "warning",
-                f"Plain 'triton' {old} is installed: it does not work on Windows and conflicts with triton-windows "
-                f"(both own the 'triton' folder).", cmdline(pip + ["uninstall", "-y", "triton"]))
-        install_argv = pip + ["install", "--no-deps", target.spec]
-        if conflict and target.satisfied_by(have):
-            # Removing plain triton deletes files triton-windows shares with it: reinstall it afterwards.
-            install_argv = pip + ["install", "--no-deps", "--force-reinstall", f"triton-windows=={have}"]
-        if target.satisfied_by(have) and not conflict:
-            add("TRITON_OK", "info",
-                f"{target.package} {have} is installed and matches torch {f.torch_version} ({target.spec}).")
-        else:
-            if have and not target.satisfied_by(have):
-                add("TRITON_MISMATCH", "warning",
-                    f"{target.package} {have} does not match torch {f.torch_version}: it needs {target.spec} "
-                    f"({target.reason}).", cmdline(install_argv))
-            elif not have:
-                add("TRITON_MISSING", "info",
-                    f"{target.package} is not installed; install.py installs {target.spec} ({target.reason}).",
-                    cmdline(install_argv))
-            pre = None
-            if conflict:
-                pre = pip + ["download", "--no-deps", "-d", "{tmp}", install_argv[-1]]
-                actions.append(Action("pip", "remove the conflicting plain triton",
-                                      pip + ["uninstall", "-y", "triton"], preflight=pre))
-            actions.append(Action("pip", f"install {install_argv[-1]}", install_argv))
-        if not gpu_ok and not f.numpy_version and not is_rocm and f.torch_version and not f.torch_error:
-            argv = pip + ["install", "--no-deps", "numpy"]
-            add("NUMPY_MISSING", "info",
-                "numpy is not installed; the Triton interpreter (what runs Triton code without a GPU, for tests) "
-                "needs it, so install.py installs it.", cmdline(argv))
-            actions.append(Action("pip", "install numpy (for the Triton interpreter)", argv))
-
-    # --- expected path -----------------------------------------------------------------
-    if blocked or not gpu_ok:
-        path, why = "pytorch", "; ".join(dict.fromkeys(blocked)) or "Triton cannot run here"
-    elif cap >= (8, 9):
-        path, why = "triton-fp8", f"{gpu.get('name')} is sm_{cap[0]}{cap[1]} (FP8 needs sm_89+)"
+            build = local.group(1) if local else "<your torch build, e.g. rocm6.4>"
+            index = "https://download.pytorch.org/whl/" + build
+            c.add("TRITON_FROM_PYTORCH_INDEX", "warning",
+                  f"torch needs {target.spec}, which is only on the PyTorch package index "
+                  f"(installed: {have or 'none'}).",
+                  cmdline(pip + ["install", "--no-deps", target.spec, "--index-url", index]))
+        return c
+    if not installable:
+        return c
+    have = f.installed.get(target.package)
+    conflict = f.os == "windows" and "triton" in f.installed
+    if conflict:
+        c.add("TRITON_CONFLICT", "warning",
+              f"Plain 'triton' {f.installed['triton']} is installed: it does not work on Windows and conflicts with "
+              f"triton-windows (both own the 'triton' folder).", cmdline(pip + ["uninstall", "-y", "triton"]))
+    install_argv = pip + ["install", "--no-deps", target.spec]
+    if conflict and target.satisfied_by(have):
+        # Removing plain triton deletes files triton-windows shares with it: reinstall it afterwards.
+        install_argv = pip + ["install", "--no-deps", "--force-reinstall", f"triton-windows=={have}"]
+    if target.satisfied_by(have) and not conflict:
+        c.add("TRITON_OK", "info",
+              f"{target.package} {have} is installed and matches torch {f.torch_version} ({target.spec}).")
     else:
-        path, why = "triton-fp16", f"{gpu.get('name')} is sm_{cap[0]}{cap[1]} (FP16/BF16 kernels)"
-    return Plan(target, findings, actions, path, why, bool(blocked))
+        if have and not target.satisfied_by(have):
+            c.add("TRITON_MISMATCH", "warning",
+                  f"{target.package} {have} does not match torch {f.torch_version}: it needs {target.spec} "
+                  f"({target.reason}).", cmdline(install_argv))
+        elif not have:
+            c.add("TRITON_MISSING", "info",
+                  f"{target.package} is not installed; install.py installs {target.spec} ({target.reason}).",
+                  cmdline(install_argv))
+        if conflict:
+            pre = pip + ["download", "--no-deps", "-d", "{tmp}", install_argv[-1]]
+            c.actions.append(Action("pip", "remove the conflicting plain triton",
+                                    pip + ["uninstall", "-y", "triton"], preflight=pre))
+        c.actions.append(Action("pip", f"install {install_argv[-1]}", install_argv))
+    if not gpu_ok and not f.numpy_version and not f.torch_hip:
+        argv = pip + ["install", "--no-deps", "numpy"]
+        c.add("NUMPY_MISSING", "info",
+              "numpy is not installed; the Triton interpreter (what runs Triton code without a GPU, for tests) "
+              "needs it, so install.py installs it.", cmdline(argv))
+        c.actions.append(Action("pip", "install numpy (for the Triton interpreter)", argv))
+    return c
+
+
+def fold(f: Facts, target: Optional[Target], checks: Sequence[Check]) -> Plan:
+    """One plan from the checks, and the path auto takes once their actions are done: PyTorch
+    while anything blocks Triton, else gpu_rules.select_path() for the first GPU."""
+    findings = [x for c in checks for x in c.findings]
+    actions = [a for c in checks for a in c.actions]
+    blockers: List[Blocker] = []
+    for b in (b for c in checks for b in c.blockers):
+        if (b.code, b.reason) not in {(x.code, x.reason) for x in blockers}:
+            blockers.append(b)
+    gpu = visible_gpu(f)
+    decision = None
+    if not blockers and gpu is not None:
+        decision = gpu_rules.select_path(device_facts(f, gpu, expected_triton(f, target)), "auto")
+        if decision.path == gpu_rules.PATH_PYTORCH:  # AMD: not validated yet, so auto keeps PyTorch
+            blockers.append(Blocker(decision.code, decision.reason))
+    if blockers or decision is None:
+        reason = "; ".join(b.reason for b in blockers) or "Triton cannot run here"
+        return Plan(target, findings, actions, gpu_rules.PATH_PYTORCH, reason, True, blockers)
+    return Plan(target, findings, actions, decision.path, decision.reason, False, blockers,
+                gpu_rules.expected_paths(decision))
+
+
+def plan(f: Facts, options: Optional[Options] = None) -> Plan:
+    """Facts -> findings, actions and the expected attention path. Pure: reads nothing but f."""
+    options = options or Options()
+    first = check_probe_and_os(f)
+    if first.blockers:
+        return fold(f, None, [first])
+    torch_check, target = check_torch(f)
+    wheels = check_python_wheels(f, target)
+    gpu = check_gpu(f, target)
+    installable = target is not None and not has_code(wheels.blockers, "PYTHON_UNSUPPORTED")
+    gpu_ok = visible_gpu(f) is not None and not f.torch_hip and not gpu.blockers
+    checks = [torch_check, wheels, gpu, check_cuda_toolchain(f, target), check_vc_runtime(f, options),
+              check_python_headers(f, options), check_build_environment(f), check_shadows(f),
+              check_triton_cache(f), check_config(f), check_triton_install(f, target, installable, gpu_ok)]
+    return fold(f, target, checks)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1295,7 +1533,7 @@ def self_check(f: Facts, timeout: float = 600) -> dict:
         env.pop("TRITON_INTERPRET", None)
     else:
         env["TRITON_INTERPRET"] = "1"
-    cache = read_config(f.pack_dir).get(CONFIG_KEY_CACHE)
+    cache = install_config.load(f.pack_dir).values.get(CONFIG_KEY_CACHE)  # checked, as the pack reads it
     if cache and not env.get("TRITON_CACHE_DIR"):
         env["TRITON_CACHE_DIR"] = cache
     fd, script = tempfile.mkstemp(prefix="triton_accel_check_", suffix=".py")
@@ -1313,7 +1551,13 @@ def self_check(f: Facts, timeout: float = 600) -> dict:
             pass
     for line in proc.stdout.splitlines():
         if line.startswith("@@TRITON_ACCEL_CHECK@@"):
-            return json.loads(line[len("@@TRITON_ACCEL_CHECK@@"):])
+            try:
+                out = json.loads(line[len("@@TRITON_ACCEL_CHECK@@"):])
+            except (ValueError, RecursionError) as exc:
+                out = f"{type(exc).__name__}: {exc}"
+            if isinstance(out, dict):
+                return out
+            return {"mode": "gpu" if gpu else "interpreter", "error": f"unreadable self-check output: {out}"}
     tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
     return {"mode": "gpu" if gpu else "interpreter", "error": f"self-check crashed (exit code {proc.returncode}): {tail}"}
 
@@ -1321,29 +1565,34 @@ def self_check(f: Facts, timeout: float = 600) -> dict:
 def verdict(p: Plan, f: Facts, check: Optional[dict]) -> dict:
     """Which attention path the pack will use, and one sentence that says it plainly."""
     gpu = f.gpus[0] if f.gpus else {}
-    if check is not None and check.get("mode") == "gpu" and check.get("kernel_ok") and p.path != "pytorch":
-        kind = "FP8" if p.path == "triton-fp8" else "FP16/BF16"
+    where = gpu.get("name")
+    if gpu.get("capability") and not f.torch_hip:
+        where = f"{where} ({gpu_rules.sm(tuple(gpu['capability']))})"
+    if check is not None and check.get("mode") == "gpu" and check.get("kernel_ok") and not p.triton_blocked:
         return {"path": p.path, "triton_works": True,
-                "message": f"Triton works: the pack will use Triton attention ({kind}) on {gpu.get('name')} "
-                           f"({p.path_reason})."}
-    if check is None and not p.triton_blocked and p.path != "pytorch":
-        kind = "FP8" if p.path == "triton-fp8" else "FP16/BF16"
+                "message": f"Triton works on {where}: in auto the pack uses {p.expected_paths}."}
+    if check is None and not p.triton_blocked:
         return {"path": p.path, "triton_works": None,
-                "message": f"Nothing blocks Triton: the pack should use Triton attention ({kind}) on {gpu.get('name')} "
-                           f"({p.path_reason}); not verified, the self-check did not run."}
-    if p.path_reason == "no NVIDIA GPU":
+                "message": f"Nothing blocks Triton on {where}: in auto the pack should use {p.expected_paths}; "
+                           f"not verified, the self-check did not run."}
+    codes = {b.code for b in p.blockers}
+    if gpu_rules.NO_GPU in codes:
         if check is not None and check.get("kernel_ok"):
             interp = "The Triton interpreter works here (for tests only)."
         elif check is not None:
             interp = f"The Triton interpreter does not work here either: {check.get('error')}."
         else:
             interp = "The Triton interpreter was not checked."
-        return {"path": "pytorch", "triton_works": False,
+        return {"path": gpu_rules.PATH_PYTORCH, "triton_works": False,
                 "message": f"No NVIDIA GPU: the pack uses PyTorch attention. {interp}"}
+    if gpu_rules.AMD_NOT_VALIDATED in codes:
+        return {"path": gpu_rules.PATH_PYTORCH, "triton_works": False,
+                "message": f"AMD GPU ({where}): in auto the pack uses PyTorch attention; its Triton kernels are "
+                           f"not validated on AMD GPUs yet (fp16 in the Settings node tries them)."}
     reasons = p.path_reason if p.triton_blocked or check is None else ""
     if check is not None and check.get("error"):
         reasons = (reasons + "; " if reasons else "") + "self-check: " + check["error"]
-    return {"path": "pytorch", "triton_works": False,
+    return {"path": gpu_rules.PATH_PYTORCH, "triton_works": False,
             "message": f"Triton is blocked ({reasons or 'not checked'}). The pack still loads and uses PyTorch "
                        f"attention; fix the errors above to enable Triton."}
 
@@ -1456,6 +1705,15 @@ def render(f: Facts, p: Plan, results: Optional[List[Result]], check: Optional[d
     return "\n".join(lines)
 
 
+def resolve_python(python: str) -> Optional[str]:
+    """--python's interpreter as a path: an executable file, or a bare name found on PATH."""
+    if os.path.isfile(python) and os.access(python, os.X_OK):
+        return python
+    if os.path.basename(python) == python:
+        return shutil.which(python)
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="install.py", description="Install and check Triton for Triton Accel.")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
@@ -1483,6 +1741,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if (args.demo or args.demo_script) and not args.venv:
         build_parser().error("--demo needs --venv")
+    if args.python is not None:
+        python = resolve_python(args.python)
+        if python is None:
+            build_parser().error(f"--python {args.python}: no such executable file (give the path of the Python "
+                                 f"that runs ComfyUI)")
+        args.python = python
     quiet = args.json
     log = (lambda s: print(s, file=sys.stderr)) if quiet else print
     if args.venv:
@@ -1497,9 +1761,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             results = act(p, f, quiet=quiet, log=log)
             if any(r.ok for r in results):
                 f = probe(args.python)  # facts after the changes, for the report
-                p_after = plan(f, Options(fix=args.fix))
-                p = Plan(p_after.target, p_after.findings, p.actions, p_after.path, p_after.path_reason,
-                         p_after.triton_blocked)
+                p = dataclasses.replace(plan(f, Options(fix=args.fix)), actions=p.actions)
         if not args.no_check and f.torch_version and not f.torch_error and f.os != "darwin" and not f.probe_error:
             check = self_check(f)
     v = verdict(p, f, check)

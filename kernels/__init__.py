@@ -1,23 +1,19 @@
 """Plain torch + Triton kernels; knows nothing of ComfyUI.
 
 Importable without Triton: the registry then records why the Triton implementations cannot
-run and dispatch falls back to PyTorch.
+run and dispatch falls back to PyTorch. Invalid calls raise AttentionInputError (with
+`.reason`); a backend asked for by name that cannot serve a call raises
+BackendUnavailableError (with `.reason`).
 """
 from . import stats
 from .attention import OP_QUALNAME, attention, attention_support, call_facts, clear_caches
+from .attention_checks import AttentionInputError
 from .attention_ref import attention_ref
 from .device import DeviceInfo, describe, interpreter_enabled, triton_import_error, triton_version
 from .registry import BackendUnavailableError, NoImplementationError, registry
 
-
-def backends_report() -> dict:
-    """Every implementation and why it is unavailable here, if it is (for logs and UI)."""
-    return registry.describe()
-
-
 __all__ = [
     "attention", "attention_support", "attention_ref", "call_facts", "stats", "registry",
-    "BackendUnavailableError", "NoImplementationError", "DeviceInfo", "describe",
-    "interpreter_enabled", "triton_import_error", "triton_version", "OP_QUALNAME", "backends_report",
-    "clear_caches",
+    "AttentionInputError", "BackendUnavailableError", "NoImplementationError", "DeviceInfo", "describe",
+    "interpreter_enabled", "triton_import_error", "triton_version", "OP_QUALNAME", "clear_caches",
 ]

@@ -2,81 +2,63 @@
 the registry, exposed as the custom op torch.ops.triton_accel.attention.
 
 Semantics follow torch.nn.functional.scaled_dot_product_attention, plus: k/v may have fewer
-heads than q (GQA, whenever q's head count is a multiple of theirs); fully masked query rows
-give zeros (what SDPA gives on current PyTorch). backend=None picks the best implementation
-that accepts the call; backend="triton" runs our kernel or raises BackendUnavailableError
-with the reason; backend="torch" runs PyTorch SDPA.
+heads than q (GQA, whenever q's head count is a multiple of theirs); v's head dim may differ
+from q's (the output takes v's); a mask may be any shape that broadcasts to [B, H, Lq, Lk]
+and may be combined with is_causal (top-left aligned, as SDPA's); fully masked query rows
+give zeros (what SDPA gives on current PyTorch); any finite scale, negative and zero included.
+backend=None picks the best implementation that accepts the call; backend="triton" runs our
+kernel or raises BackendUnavailableError with the reason; backend="torch" runs PyTorch SDPA.
+Invalid calls raise AttentionInputError (a ValueError) with the reason, whatever the backend.
+
+Gradients: the op has a backward (torch.library.register_autograd) that recomputes the
+attention in float32 PyTorch math and differentiates it, so inputs that require grad get
+SDPA's gradients. It materialises the [B, H, Lq, Lk] scores: fine for fine-tuning small
+models and tests, not memory-efficient for video-sized training.
 """
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
 
-from . import device as _device
 from . import attention_short_kv as _short_kv
 from . import attention_triton as _at
-from . import stats, tuning
+from . import cache_registry, stats, tuning
+from . import device as _device
+from .attention_checks import AttentionInputError, attention_input_error, check_attention_inputs, check_scale
 from .attention_ref import attention_ref
+from .gpu_rules import min_capability_for
+from .kernel_common import interpreter_upcast, is_out_of_resources, shape_class
 from .registry import BackendUnavailableError, Call, Constraints, Implementation, registry
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("triton_accel.kernels.attention")  # not __name__: the clone's folder name
 
 OP = "attention"
 OP_QUALNAME = "triton_accel::attention"
 BACKEND_ALIASES = {"triton": "triton_attention", "fp8": "triton_fp8", "torch": "torch_sdpa", "sdpa": "torch_sdpa",
                    "reference": "reference_fp32"}
+ANY_DTYPE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+ANY_DEVICE = frozenset({"cuda", "cpu", "mps", "xpu"})
 
 
 # ---- call facts and checks ----------------------------------------------------------------
 
-def _shape_error(q, k, v, attn_mask) -> str | None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            return f"{name} is not a tensor"
-        if t.dim() != 4:
-            return f"{name} must be [B, H, L, D], got {tuple(t.shape)}"
-    if not (q.dtype == k.dtype == v.dtype):
-        return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
-    if not (q.device == k.device == v.device):
-        return "q, k, v are on different devices"
-    B, H, Lq, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        return "batch sizes differ"
-    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        return f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree on heads or length"
-    if k.shape[3] != D:
-        return f"k head dim {k.shape[3]} != q head dim {D}"
-    if k.shape[1] == 0 or H % k.shape[1]:
-        return f"q heads {H} are not a multiple of k/v heads {k.shape[1]}"
-    if attn_mask is not None:
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            return f"attn_mask must be bool or floating point, got {attn_mask.dtype}"
-        target = (B, H, Lq, k.shape[2])
-        try:
-            if torch.broadcast_shapes(attn_mask.shape, target) != target:
-                raise RuntimeError
-        except RuntimeError:
-            return f"attn_mask {tuple(attn_mask.shape)} does not broadcast to {target}"
-        if attn_mask.device != q.device:
-            return "attn_mask is on another device"
-    return None
+def _mask_kind(attn_mask) -> str:
+    return "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive")
 
 
 def call_facts(q, k, v, attn_mask=None, is_causal=False) -> Call:
-    mask = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "additive")
     return Call(
         device=_device.describe(q.device), dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
-        q_heads=q.shape[1], kv_heads=k.shape[1], mask=mask,
-        mask_dtype=None if attn_mask is None else attn_mask.dtype, is_causal=bool(is_causal),
-        batch=q.shape[0], q_len=q.shape[2], kv_len=k.shape[2],
+        q_heads=q.shape[1], kv_heads=k.shape[1], mask=_mask_kind(attn_mask), is_causal=bool(is_causal),
     )
 
 
 def attention_support(q, k, v, attn_mask=None, is_causal=False, backend: str = "triton") -> tuple[bool, str]:
     """Can `backend` (default: our Triton kernel) serve this call? (ok, reason)."""
-    err = _shape_error(q, k, v, attn_mask)
+    err = attention_input_error(q, k, v, attn_mask)
     if err:
         return False, err
     impl = registry.get(OP, BACKEND_ALIASES.get(backend, backend))
@@ -86,12 +68,36 @@ def attention_support(q, k, v, attn_mask=None, is_causal=False, backend: str = "
     return (reason is None), (reason or "ok")
 
 
+def empty_output(q, v, device=None):
+    """The output every path returns: q.shape[:-1] + (v's head dim,), laid out as
+    torch.empty_like(q) lays out q (the custom op's fake promises this layout)."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q, device=device)
+    st = torch.empty_like(q, device="meta").stride()
+    order = sorted(range(4), key=lambda d: (-st[d], d))  # outermost dim first
+    shape = (*q.shape[:-1], v.shape[-1])
+    out = torch.empty([shape[d] for d in order], dtype=q.dtype, device=device or q.device)
+    return out.permute([order.index(d) for d in range(4)])
+
+
 # ---- implementations ----------------------------------------------------------------------
 
 def _torch_sdpa(q, k, v, attn_mask=None, scale=None, is_causal=False):
     kw = {}
     if k.shape[1] != q.shape[1]:
         kw["enable_gqa"] = True
+    if attn_mask is not None:
+        # SDPA wants a 4-d-broadcastable mask of q's dtype (or bool), and rejects a mask with
+        # is_causal on CUDA; our contract takes any broadcastable float mask and both at once.
+        B, H, Lq, Lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        attn_mask = attn_mask.expand(B, H, Lq, Lk) if attn_mask.dim() < 2 else attn_mask
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+            attn_mask = attn_mask.to(q.dtype)
+        if is_causal:
+            causal = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril()
+            attn_mask = (attn_mask & causal if attn_mask.dtype == torch.bool
+                         else attn_mask.masked_fill(~causal, float("-inf")))
+            is_causal = False
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **kw)
 
@@ -103,11 +109,9 @@ def _reference(q, k, v, attn_mask=None, scale=None, is_causal=False):
 def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
     # The interpreter only ever runs CPU tensors; CUDA calls skip the environment lookup.
     interpreter = not q.is_cuda and _device.interpreter_enabled()
-    if interpreter and q.dtype == torch.bfloat16:
-        # The interpreter's bf16 dots are wrong (numpy has no bf16): compute in fp32 there.
-        # Only the CPU interpreter pays this copy; GPUs run bf16 natively.
-        m = attn_mask.float() if attn_mask is not None and attn_mask.dtype == torch.bfloat16 else attn_mask
-        return _triton(q.float(), k.float(), v.float(), m, scale, is_causal).to(q.dtype)
+    upcast = interpreter_upcast(q, k, v, attn_mask) if interpreter else None
+    if upcast is not None:
+        return _triton(*upcast, scale, is_causal).to(q.dtype)
     # Which kernel and config serve a call depends only on these facts; remembering the answer
     # keeps the per-call host cost (it decides how fast small eager calls are) to a dict lookup.
     rkey = (q.device, q.dtype, q.shape[-1], k.shape[2], k.shape[1] != q.shape[1],
@@ -125,7 +129,7 @@ def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
         except Exception as e:
             # A GPU with less shared memory than its arch's budget assumes: the flash kernel
             # steps its tiles down instead. Anything else is a real error.
-            if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
+            if not is_out_of_resources(e):
                 raise
             _short_kv_refusals[rkey] = f"does not fit: {str(e).splitlines()[0]}"
             route = _route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter)
@@ -145,49 +149,43 @@ def _route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter):
         return "short_kv", info
     _short_kv_refusals[rkey] = refusal
     mask = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "add")
-    lk_class = 1 << max(0, (Lk - 1).bit_length())  # power-of-two bucket
-    shape_class = (str(q.dtype).replace("torch.", ""), D, k.shape[1] != q.shape[1], mask,
-                   bool(is_causal), min(lk_class, 1 << 16))
+    cls = shape_class(q.dtype, D, Lk, mask, is_causal, gqa=k.shape[1] != q.shape[1])
     config = _at.default_config(info, D, Lk, interpreter)
     if not interpreter:
         def run(cfg):
             return _at.attention_triton(q, k, v, attn_mask, scale, is_causal, config=cfg)
 
-        config = tuning.choose("attention", info, shape_class, config,
+        config = tuning.choose("attention", info, cls, config,
                                candidates=lambda: list(_at.AUTOTUNE_SPACE), run=run)
     return "flash", config
 
 
-_routes: dict = {}
+_routes: dict = {}  # route key -> ("short_kv", device info) or ("flash", config)
 _short_kv_refusals: dict = {}  # route key -> why the short-key kernel does not serve it
+# Diffusion models repeat the same few attention calls thousands of times; remembering the
+# decision per call signature keeps validation and selection off the hot path (they cost
+# tens of microseconds, as much as a small cross-attention kernel).
+_decisions: dict = {}
+_MAX_DECISIONS = 4096
+for _name, _cache in (("routes", _routes), ("short_kv_refusals", _short_kv_refusals), ("decisions", _decisions)):
+    cache_registry.register(f"kernels.attention.{_name}", _cache.clear)
 
 
 def clear_caches() -> None:
-    """Forget remembered decisions and configs (after changing env vars or the registry)."""
-    _decisions.clear()
-    _routes.clear()
-    _short_kv_refusals.clear()
+    """Forget every remembered decision, route, config and launch plan of the pack (after
+    changing env vars or the registry): every module-level cache registers with cache_registry."""
+    cache_registry.clear_all()
 
 
 def _register_implementations() -> None:
     if registry.get(OP, "torch_sdpa") is not None:
         return
     triton_error = _device.triton_import_error()
-    min_cap = (7, 5)
-    if triton_error is None:
-        tv = _device.triton_version() or "0"
-        try:
-            major, minor = (int(x) for x in tv.split(".")[:2])
-            if (major, minor) >= (3, 3):
-                min_cap = (8, 0)  # Triton 3.3 dropped Turing (triton-lang/triton#5066)
-        except ValueError:
-            pass
     registry.register(Implementation(
         name="triton_attention", op=OP, fn=_triton, priority=100,
         constraints=Constraints(
             device_types=frozenset({"cuda", "cpu"}), cpu_needs_interpreter=True,
-            min_capability=min_cap, dtype_min_capability={torch.bfloat16: (8, 0)},
-            head_dims=(1, 256)),
+            min_capability=min_capability_for(_device.triton_version()), head_dims=(1, 256)),
         unavailable=triton_error,
     ))
     # Lossy (e4m3 Q.K), so it is never picked by priority: only by name ("fp8"), which the
@@ -200,15 +198,13 @@ def _register_implementations() -> None:
     ))
     registry.register(Implementation(
         name="torch_sdpa", op=OP, fn=_torch_sdpa, priority=0,
-        constraints=Constraints(device_types=frozenset({"cuda", "cpu", "mps", "xpu"}),
-                                dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-                                head_dims=(1, 1 << 20), same_head_dim_v=False),
+        constraints=Constraints(device_types=ANY_DEVICE, dtypes=ANY_DTYPE, head_dims=(1, 1 << 20),
+                                same_head_dim_v=False),
     ))
     registry.register(Implementation(
         name="reference_fp32", op=OP, fn=_reference, priority=-100,
-        constraints=Constraints(device_types=frozenset({"cuda", "cpu", "mps", "xpu"}),
-                                dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-                                head_dims=(1, 1 << 20), same_head_dim_v=False),
+        constraints=Constraints(device_types=ANY_DEVICE, dtypes=ANY_DTYPE, head_dims=(1, 1 << 20),
+                                same_head_dim_v=False),
     ))
 
 
@@ -217,13 +213,6 @@ _register_implementations()
 
 # ---- dispatch and the custom op -----------------------------------------------------------
 
-# Diffusion models repeat the same few attention calls thousands of times; remembering the
-# decision per call signature keeps validation and selection off the hot path (they cost
-# tens of microseconds, as much as a small cross-attention kernel).
-_decisions: dict = {}
-_MAX_DECISIONS = 4096
-
-
 def _signature(q, k, v, attn_mask, is_causal, backend):
     m = None if attn_mask is None else (attn_mask.dtype, attn_mask.shape, attn_mask.stride(), attn_mask.device)
     return (q.device, q.dtype, q.shape, k.dtype, k.shape, v.dtype, v.shape, k.device, v.device, m,
@@ -231,12 +220,14 @@ def _signature(q, k, v, attn_mask, is_causal, backend):
 
 
 def _dispatch(q, k, v, attn_mask, scale, is_causal, backend):
-    key = _signature(q, k, v, attn_mask, is_causal, backend)
+    try:
+        key = _signature(q, k, v, attn_mask, is_causal, backend)
+    except (AttributeError, TypeError):
+        check_attention_inputs(q, k, v, attn_mask, scale)  # raises with the reason
+        raise
     impl = _decisions.get(key)
     if impl is None:
-        err = _shape_error(q, k, v, attn_mask)
-        if err:
-            raise ValueError(f"attention: {err}")
+        check_attention_inputs(q, k, v, attn_mask, scale)
         name = None if backend in (None, "auto") else BACKEND_ALIASES.get(backend, backend)
         impl = registry.select(OP, call_facts(q, k, v, attn_mask, is_causal), name=name)
         if len(_decisions) > _MAX_DECISIONS:
@@ -250,17 +241,19 @@ def _dispatch(q, k, v, attn_mask, scale, is_causal, backend):
             out = impl.fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
     else:
         out = impl.fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
-    # The fake promises empty_like(q)'s layout; keep that promise on every path (the
-    # Triton launcher allocates with empty_like itself).
-    if impl.fn is not _triton and out.stride() != _expected_strides(q):
-        fixed = torch.empty_like(q)
-        fixed.copy_(out)
-        out = fixed
+    # The fake promises empty_output's shape and layout; keep that promise on every path (the
+    # Triton launchers allocate with empty_like(q) themselves, and serve only v's head dim = q's).
+    if impl.fn is not _triton:
+        if v.shape[-1] == q.shape[-1]:
+            same = out.stride() == torch.empty_like(q, device="meta").stride()
+        else:
+            want = empty_output(q, v, device="meta")
+            same = out.shape == want.shape and out.stride() == want.stride()
+        if not same:
+            fixed = empty_output(q, v)
+            fixed.copy_(out)
+            out = fixed
     return out
-
-
-def _expected_strides(q):
-    return torch.empty_like(q, device="meta").stride()
 
 
 def _shared_dispatch(q, k, v, attn_mask, scale, is_causal, backend):
@@ -273,6 +266,26 @@ def _op_registered() -> bool:
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+def _setup_backward(ctx, inputs, output):
+    q, k, v, attn_mask, scale, is_causal, _backend = inputs
+    ctx.save_for_backward(q, k, v, attn_mask)
+    ctx.scale, ctx.is_causal = scale, is_causal
+
+
+def _backward(ctx, grad_out):
+    """Gradients of the forward's math, recomputed in float32 PyTorch (attention_ref): SDPA's
+    gradients, fully masked rows included (zero)."""
+    saved = ctx.saved_tensors  # q, k, v, attn_mask
+    wants = [bool(w) and t is not None for t, w in zip(saved, ctx.needs_input_grad[:4], strict=True)]
+    leaves = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(saved, wants, strict=True)]
+    with torch.enable_grad():
+        out = attention_ref(*leaves, ctx.scale, ctx.is_causal)
+        needed = [t for t, w in zip(leaves, wants, strict=True) if w]
+        grads = iter(torch.autograd.grad(out, needed, grad_out.float()))
+    gq, gk, gv, gm = (next(grads) if w else None for w in wants)
+    return gq, gk, gv, gm, None, None, None
 
 
 def _register_op() -> None:
@@ -289,7 +302,9 @@ def _register_op() -> None:
 
     @attention_op.register_fake
     def _(q, k, v, attn_mask, scale, is_causal, backend):
-        return torch.empty_like(q)
+        return empty_output(q, v)
+
+    attention_op.register_autograd(_backward, setup_context=_setup_backward)
 
 
 _register_op()
@@ -297,10 +312,19 @@ _register_op()
 
 def attention(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None):
     """softmax(q k^T * scale + mask) v for [B, H, L, D] tensors; see the module docstring."""
-    if torch.compiler.is_compiling():
+    if scale is not None and (type(scale) is not float or not math.isfinite(scale)):
+        check_scale(scale)  # raises unless a finite number
+        scale = float(scale)
+    wants_grad = torch.is_grad_enabled() and (
+        getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
+        or getattr(v, "requires_grad", False) or getattr(attn_mask, "requires_grad", False))
+    if wants_grad or torch.compiler.is_compiling():
+        # Through the op: torch.compile traces it, autograd records its backward.
+        check_attention_inputs(q, k, v, attn_mask)
         return torch.ops.triton_accel.attention(q, k, v, attn_mask, scale, bool(is_causal), backend)
-    # Eager calls skip the dispatcher round trip of the custom op (tens of microseconds).
+    # Eager calls without grad skip the dispatcher round trip of the custom op (tens of microseconds).
     return _shared_dispatch(q, k, v, attn_mask, scale, bool(is_causal), backend)
 
 
-__all__ = ["attention", "attention_support", "call_facts", "BackendUnavailableError", "OP_QUALNAME"]
+__all__ = ["attention", "attention_support", "call_facts", "clear_caches", "empty_output",
+           "AttentionInputError", "BackendUnavailableError", "OP_QUALNAME"]

@@ -26,7 +26,10 @@ P.V stays in fp16/bf16. Choices that matter:
 - the quantised Q/K are written padded (rows to a whole block, head dim to a power of two
   >= 32, the smallest fp8 MMA depth) so the attention kernel loads them with no bounds
   checks; V is read in place through its strides.
-Fully masked query rows produce zeros, as PyTorch SDPA does.
+Fully masked query rows produce zeros, as PyTorch SDPA does. The softmax scale's sign lives
+in Q's block scale, so the running max is that of the scaled scores for any scale. Inputs are
+checked by attention_checks.py, the GPU by gpu_rules.py (FP8UnsupportedError carries its
+reason); shared helpers come from kernel_common.py.
 """
 from __future__ import annotations
 
@@ -42,25 +45,33 @@ except Exception:  # the registry reports why; importing the pack must still wor
     triton = None
     tl = None
 
+from . import cache_registry
 from . import device as _device
+from .attention_checks import check_attention_inputs
 from .attention_ref import attention_ref
+from .kernel_common import (LOG2E, arch_family, family_in, fp8_device_refusal, interpreter_upcast, mask_layout,
+                            next_pow2, row_alignment, shape_class)
+from .registry import BackendUnavailableError
 
-log = logging.getLogger(__name__)
+if triton is not None:
+    from .kernel_common import row_offsets
 
-LOG2E = 1.4426950408889634
+log = logging.getLogger("triton_accel.kernels.attention_fp8")  # not __name__: the clone's folder name
+
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # Channels per kv head kept out of fp8 (16-bit side dot of this depth; 16 is the smallest
 # fp16 MMA depth). Rel L2 vs fp32 in emulation, [1,4,512,128], three outlier recipes (score
 # std ~10): 0 -> 0.12-0.17, 8 -> 0.011-0.016, 16 -> 0.010-0.016, 32 -> 0.010-0.015. The
 # side dot costs d128: a quarter of the fp8 Q.K^T's tensor-core time, d64: half.
 OUTLIER_CHANNELS = 16
-MIN_CAPABILITY = (8, 9)
 
-# Defaults per arch and padded head-dim class. Keys: BLOCK_M, BLOCK_N (also the
+# Defaults per arch family (kernel_common.arch_family, through its FAMILY_FALLBACK: sm120 and
+# anything unknown take "default", Ada's ~100 KB table) and padded head-dim class. Keys: BLOCK_M, BLOCK_N (also the
 # quantisation block sizes of Q and K), num_warps, num_stages, optional N_HI (outlier
 # channels, default OUTLIER_CHANNELS). Shared memory as compiled by Triton 3.9 for the
 # worst variant (bool mask): sm90 d128 ~176 KB of 227; sm89 d128 78 KB, d256 (160) 76 KB
-# of 99. Not timed yet on any GPU: starting points until benchmarks/check_fp8.py says more.
+# of 99. sm89 values are not measured on an Ada GPU; sm90's are starting points that
+# benchmarks/check_fp8.py times on the H200 (where this kernel is slower than the FP16/BF16 one).
 FP8_ATTENTION_CONFIGS = {
     "sm90": {
         "d64": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
@@ -73,7 +84,7 @@ FP8_ATTENTION_CONFIGS = {
         "d256": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     },
 }
-FP8_ATTENTION_CONFIGS["sm120"] = FP8_ATTENTION_CONFIGS["sm89"]
+FP8_ATTENTION_CONFIGS["default"] = FP8_ATTENTION_CONFIGS["sm89"]
 # The interpreter runs on numpy: small tiles keep CPU tests fast and exercise the loop.
 FP8_ATTENTION_CONFIGS["interpreter"] = {
     c: dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1) for c in ("d64", "d128", "d256")
@@ -87,40 +98,19 @@ FP8_AUTOTUNE_SPACE = [
 ]
 
 
-class FP8UnsupportedError(RuntimeError):
-    """The device cannot run the FP8 kernel (compute capability, vendor, no Triton)."""
+FP8_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 
-def fp8_supported(capability, name: str | None = None) -> tuple[bool, str]:
-    """(ok, reason) for an NVIDIA compute capability (major, minor); pure, no device needed.
+class FP8UnsupportedError(BackendUnavailableError):
+    """The device cannot run the FP8 kernel (compute capability, vendor, no Triton); `.reason` says why."""
 
-    float8 e4m3 tensor-core MMAs exist from sm_89 (Ada) on; Triton refuses to compile the
-    e4m3 type for older targets, so there is no slow fallback to offer.
-    """
-    if capability is None:
-        return False, "FP8 attention needs an NVIDIA GPU (no compute capability)"
-    major, minor = int(capability[0]), int(capability[1])
-    if (major, minor) < MIN_CAPABILITY:
-        who = name or "this GPU"
-        return False, (f"FP8 attention needs compute capability 8.9+ (RTX 40xx / H100 or newer); "
-                       f"{who} is sm_{major}{minor}")
-    return True, "ok"
-
-
-def arch_family(arch: str) -> str:
-    if arch.startswith("sm"):
-        try:
-            major = int(arch[2:-1] or 0)
-        except ValueError:
-            return "sm89"
-        if major in (9, 10, 11):  # datacenter Blackwell runs Hopper-sized tiles
-            return "sm90"
-    return "sm89"  # sm89, sm12x and anything unknown: the ~100 KB shared-memory budget
+    def __init__(self, reason: str):
+        super().__init__("attention", "triton_fp8", reason)
 
 
 def padded_head_dim(head_dim: int) -> int:
     """Power of two >= 32: fp8 MMAs consume 32 elements of depth per instruction."""
-    return max(32, 1 << (head_dim - 1).bit_length())
+    return next_pow2(head_dim, 32)
 
 
 def head_dim_class(head_dim: int) -> str:
@@ -131,7 +121,12 @@ def head_dim_class(head_dim: int) -> str:
 def default_config(info, head_dim: int, interpreter: bool) -> dict:
     if interpreter:
         return FP8_ATTENTION_CONFIGS["interpreter"]["d64"]
-    return FP8_ATTENTION_CONFIGS[arch_family(info.arch)][head_dim_class(head_dim)]
+    return FP8_ATTENTION_CONFIGS[config_family(info.arch)][head_dim_class(head_dim)]
+
+
+def config_family(arch: str) -> str:
+    """The key of FP8_ATTENTION_CONFIGS for a device arch ("sm90", "sm89"...)."""
+    return family_in(FP8_ATTENTION_CONFIGS, arch_family(arch))
 
 
 if triton is not None:
@@ -192,15 +187,6 @@ if triton is not None:
         tl.store(S + off_bh.to(tl.int64) * N_BLOCKS + pid, s)
 
     @triton.jit
-    def _row_offsets(idx, stride, ALIGN: tl.constexpr):
-        # Head dim 40 gives row strides of 40 elements, still 16-byte aligned; Triton only
-        # learns divisibility by 16 from a launch, so say it to keep 16-byte vector loads.
-        off = idx * stride
-        if ALIGN > 1:
-            off = tl.multiple_of(off, ALIGN)
-        return off
-
-    @triton.jit
     def _fp8_tile(
         acc, l_i, m_i, q8, q_scale, qh,
         K8, SK, KH, V, Mk, start_n,
@@ -219,7 +205,7 @@ if triton is not None:
             # would perturb every score by ~4% of their size, so they take a 16-bit dot.
             kh = tl.load(KH + cols[:, None] * N_HI + tl.arange(0, N_HI)[None, :])
             s = tl.dot(qh, tl.trans(kh), s)
-        if MASK_KIND == 0 and not IS_CAUSAL and not BOUNDARY:
+        if MASK_KIND == 0 and not (IS_CAUSAL or BOUNDARY):  # no A and B and C: Triton <= 3.3 rejects chains
             # Hot path: every score is finite, so no -inf guards are needed.
             m_ij = tl.maximum(m_i, tl.max(s, 1))
             p = tl.math.exp2(s - m_ij[:, None])
@@ -249,7 +235,7 @@ if triton is not None:
             alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v_ptrs = V + _row_offsets(cols, stride_vn, ALIGN)[:, None] + offs_d[None, :] * stride_vd
+        v_ptrs = V + row_offsets(cols, stride_vn, ALIGN)[:, None] + offs_d[None, :] * stride_vd
         if BOUNDARY and D_CHECK:
             v = tl.load(v_ptrs, mask=(cols[:, None] < LK) & (offs_d[None, :] < HEAD_DIM), other=0.0)
         elif BOUNDARY:
@@ -340,7 +326,7 @@ if triton is not None:
         # Rows with every key masked have l = 0: write zeros, as SDPA does.
         inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
         out = (acc * inv_l[:, None]).to(O.dtype.element_ty)
-        o_ptrs = O + _row_offsets(offs_m, stride_om, ALIGN)[:, None] + offs_d[None, :] * stride_od
+        o_ptrs = O + row_offsets(offs_m, stride_om, ALIGN)[:, None] + offs_d[None, :] * stride_od
         if D_CHECK:
             tl.store(o_ptrs, out, mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM))
         else:
@@ -349,54 +335,12 @@ if triton is not None:
 
 # ---- host side ------------------------------------------------------------------------------
 
-def _check_inputs(q, k, v, attn_mask) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"attention_fp8: {name} must be a [B, H, L, D] tensor")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"attention_fp8: q, k, v must all be float16 or bfloat16, got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError("attention_fp8: q, k, v are on different devices")
-    B, H, Lq, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"attention_fp8: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
-    if k.shape[3] != D or v.shape[3] != D:
-        raise ValueError("attention_fp8: q, k and v need the same head dim")
-    if not 1 <= D <= 256:
-        raise ValueError(f"attention_fp8: head dim {D} outside 1..256")
-    if k.shape[1] == 0 or H % k.shape[1]:
-        raise ValueError(f"attention_fp8: q heads {H} are not a multiple of k/v heads {k.shape[1]}")
-    if attn_mask is not None:
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise ValueError(f"attention_fp8: attn_mask must be bool or floating point, got {attn_mask.dtype}")
-        target = (B, H, Lq, k.shape[2])
-        try:
-            ok = torch.broadcast_shapes(attn_mask.shape, target) == target
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"attention_fp8: attn_mask {tuple(attn_mask.shape)} does not broadcast to {target}")
-        if attn_mask.device != q.device:
-            raise ValueError("attention_fp8: attn_mask is on another device")
-
-
 def _check_device(device: torch.device) -> bool:
     """Raise FP8UnsupportedError where the kernel cannot run; True when on the interpreter."""
-    if triton is None:
-        raise FP8UnsupportedError(f"FP8 attention needs Triton: {_device.triton_import_error()}")
-    if device.type == "cpu":
-        if not _device.interpreter_enabled():
-            raise FP8UnsupportedError("FP8 attention on CPU tensors needs TRITON_INTERPRET=1 (tests only)")
-        return True
-    info = _device.describe(device)
-    if info.vendor != "nvidia":
-        # AMD's fp8 is a different e4m3 flavour (fnuz) and untested here.
-        raise FP8UnsupportedError(f"FP8 attention supports NVIDIA GPUs only; {info.name} is {info.arch}")
-    ok, reason = fp8_supported(info.capability, info.name)
-    if not ok:
+    reason = fp8_device_refusal(device, "FP8 attention")
+    if reason is not None:
         raise FP8UnsupportedError(reason)
-    return False
+    return device.type == "cpu"
 
 
 def outlier_channels(q, k, k_mean, n: int):
@@ -444,18 +388,6 @@ def _quantise(x, block: int, block_d: int, scale_mul: float, mean, hi, n_hi: int
     return y, s, yh
 
 
-def _align(*tensors) -> int:
-    """Largest power of two (<= 16 elements) dividing every row stride, 1 when none helps."""
-    g = 0
-    for t in tensors:
-        for st in t.stride()[:-1]:
-            g = math.gcd(g, st)
-    align = min(16, g & -g) if g else 16
-    if any(t.stride(-1) != 1 for t in tensors) or align < 2:
-        return 1
-    return align
-
-
 def _launch(q, k, v, attn_mask, scale, is_causal, config, interpreter):
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -476,16 +408,7 @@ def _launch(q, k, v, attn_mask, scale, is_causal, config, interpreter):
     q8, sq, qh = _quantise(q, block_m, block_d, scale * LOG2E, None, hi, n_hi, H // Hkv, interpreter)
     k8, sk, kh = _quantise(k, block_n, block_d, 1.0, k_mean, hi, n_hi, 1, interpreter)
 
-    if attn_mask is None:
-        mask_kind, mk, mstr, row_bcast = 0, sq, (0, 0, 0, 0), False
-    else:
-        mk = attn_mask.expand(B, H, Lq, Lk)  # stride-0 view: never materialised
-        if mk.dtype == torch.bool:
-            mask_kind, mk = 1, mk.view(torch.uint8)
-        else:
-            mask_kind = 2
-        mstr = mk.stride()
-        row_bcast = mstr[2] == 0
+    mask_kind, mk, mstr, row_bcast = mask_layout(attn_mask, B, H, Lq, Lk, sq)
 
     grid = (triton.cdiv(Lq, block_m), B * H)
     _attn_fp8_fwd[grid](
@@ -495,37 +418,38 @@ def _launch(q, k, v, attn_mask, scale, is_causal, config, interpreter):
         HEAD_DIM=D, GROUP=H // Hkv,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D_CHECK=block_d > D,
         MASK_KIND=mask_kind, MASK_ROW_BCAST=row_bcast, IS_CAUSAL=bool(is_causal),
-        ALIGN=_align(v, out), N_HI=n_hi, WHILE_LOOP=interpreter,
+        ALIGN=row_alignment(v, out), N_HI=n_hi, WHILE_LOOP=interpreter,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return out
 
 
-_configs: dict = {}
+_configs: dict = {}  # (device, interpreter, shape class) -> config
+cache_registry.register("kernels.attention_fp8.configs", _configs.clear)
 
 
 def attention_fp8(q, k, v, attn_mask=None, scale=None, is_causal=False, config=None):
     """softmax(q k^T * scale + mask) v with Q.K^T in float8 e4m3; torch SDPA's contract on
     [B, H, L, D] fp16/bf16 tensors (any strides, k/v may have fewer heads). Output in q's
-    dtype, laid out like torch.empty_like(q). Raises FP8UnsupportedError below sm_89."""
-    _check_inputs(q, k, v, attn_mask)
+    dtype, laid out like torch.empty_like(q). Raises AttentionInputError for invalid inputs and
+    FP8UnsupportedError where the device cannot run it (below sm_89, not NVIDIA)."""
+    check_attention_inputs(q, k, v, attn_mask, scale, op="attention_fp8", same_head_dim_v=True,
+                           dtypes=FP8_DTYPES)
+    if not 1 <= q.shape[-1] <= 256:
+        raise FP8UnsupportedError(f"head dim {q.shape[-1]} outside 1..256")
     return _run(q, k, v, attn_mask, scale, is_causal, config)
 
 
 def _run(q, k, v, attn_mask, scale, is_causal, config):
     interpreter = _check_device(q.device)
-    if interpreter and q.dtype == torch.bfloat16:
-        # The interpreter's bf16 dots are wrong (numpy has no bf16): V and P in fp32 there.
-        # Only the CPU interpreter pays this copy; GPUs run bf16 natively.
-        m = attn_mask.float() if attn_mask is not None and attn_mask.dtype == torch.bfloat16 else attn_mask
-        return _launch(q.float(), k.float(), v.float(), m, scale, is_causal,
-                       config or default_config(None, q.shape[-1], True), True).to(q.dtype)
+    upcast = interpreter_upcast(q, k, v, attn_mask) if interpreter else None
+    if upcast is not None:  # V and P in fp32 under the interpreter (its bf16 dots are wrong)
+        return _launch(*upcast, scale, is_causal, config or default_config(None, q.shape[-1], True), True).to(q.dtype)
     if config is None:
         D, Lk = q.shape[-1], k.shape[2]
-        lk_class = min(1 << max(0, (Lk - 1).bit_length()), 1 << 16)
         mask = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "add")
-        shape_class = ("fp8", str(q.dtype).replace("torch.", ""), D, mask, bool(is_causal), lk_class)
-        ckey = (q.device, interpreter, shape_class)
+        cls = ("fp8",) + shape_class(q.dtype, D, Lk, mask, is_causal)
+        ckey = (q.device, interpreter, cls)
         config = _configs.get(ckey)
         if config is None:
             info = None if interpreter else _device.describe(q.device)
@@ -536,9 +460,9 @@ def _run(q, k, v, attn_mask, scale, is_causal, config):
                 def run(cfg):
                     return _launch(q, k, v, attn_mask, scale, is_causal, cfg, False)
 
-                config = tuning.choose("attention_fp8", info, shape_class, config,
+                config = tuning.choose("attention_fp8", info, cls, config,
                                        candidates=lambda: list(FP8_AUTOTUNE_SPACE), run=run)
-            log.debug("fp8 attention config for %s on %s: %s", shape_class, q.device, config)
+            log.debug("fp8 attention config for %s on %s: %s", cls, q.device, config)
             _configs[ckey] = config
     return _launch(q, k, v, attn_mask, scale, is_causal, config, interpreter)
 
@@ -546,14 +470,14 @@ def _run(q, k, v, attn_mask, scale, is_causal, config):
 # ---- registration (kernels/attention.py registers it; these keep the facts in one place) ----
 
 def registry_constraints():
-    """What the kernel serves, as the registry's Constraints: NVIDIA sm_89+ (CPU only through
-    the interpreter, for tests), fp16/bf16, head dims 1..256, every mask kind, GQA, causal."""
+    """What the kernel serves, as the registry's Constraints: NVIDIA GPUs with FP8 tensor cores
+    (gpu_rules.capability_refusal decides which; CPU only through the interpreter, for tests),
+    fp16/bf16, head dims 1..256, every mask kind, GQA, causal."""
     from .registry import Constraints
 
     return Constraints(
         device_types=frozenset({"cuda", "cpu"}), vendors=frozenset({"nvidia", "cpu"}),
-        cpu_needs_interpreter=True, min_capability=MIN_CAPABILITY,
-        dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=(1, 256))
+        cpu_needs_interpreter=True, fp8=True, dtypes=FP8_DTYPES, head_dims=(1, 256))
 
 
 def registry_fn(q, k, v, attn_mask=None, scale=None, is_causal=False):
@@ -561,11 +485,6 @@ def registry_fn(q, k, v, attn_mask=None, scale=None, is_causal=False):
     them (shapes, masks) and the Constraints the rest (dtype, head dim), and diffusion models
     make thousands of these calls. The device check stays (it is a cached lookup)."""
     return _run(q, k, v, attn_mask, scale, is_causal, None)
-
-
-def clear_caches() -> None:
-    """Forget the configs chosen per shape class (after changing env vars or the tuning cache)."""
-    _configs.clear()
 
 
 # ---- references -----------------------------------------------------------------------------
@@ -651,6 +570,6 @@ def compile_specs(dtype: str, head_dim: int, config: dict, mask_kind: int = 0, i
     return [(_quant_fp8, quant_sig, quant_const, quant_attrs), (_attn_fp8_fwd, sig, constexprs, attrs)]
 
 
-__all__ = ["attention_fp8", "fp8_supported", "registry_constraints", "registry_fn", "clear_caches",
+__all__ = ["attention_fp8", "registry_constraints", "registry_fn", "config_family", "padded_head_dim",
            "attention_fp8_ref", "attention_fp8_emulated", "outlier_channels", "FP8UnsupportedError",
            "FP8_ATTENTION_CONFIGS", "FP8_AUTOTUNE_SPACE", "OUTLIER_CHANNELS", "compile_specs"]

@@ -1,8 +1,9 @@
 """Float32 reference attention with the same signature as kernels.attention.
 
-Materialises the full score matrix, so it is for tests and small shapes only. Fully masked
-query rows give zeros, the behaviour PyTorch SDPA has (checked on torch 2.13) and the one
-our kernel implements.
+Materialises the full score matrix, so it is for tests, small shapes and the op's backward
+(it is differentiable, masks included). Fully masked query rows give zeros, the behaviour
+PyTorch SDPA has (checked on torch 2.13) and the one our kernel implements. The fuzz tests
+run it in float64 (`compute_dtype`).
 """
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import math
 import torch
 
 
-def attention_ref(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None):
+def attention_ref(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None, *,
+                  compute_dtype=torch.float32):
     del backend  # same signature as kernels.attention; the reference has one path
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    qf, kf, vf = q.float(), k.float(), v.float()
+    qf, kf, vf = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     if Hkv != H:
         kf = kf.repeat_interleave(H // Hkv, dim=1)
         vf = vf.repeat_interleave(H // Hkv, dim=1)
@@ -28,9 +30,9 @@ def attention_ref(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=
         if attn_mask.dtype == torch.bool:
             allowed = allowed & attn_mask.expand(B, H, Lq, Lk)
         else:
-            s = s + attn_mask.float().expand(B, H, Lq, Lk)
+            s = s + attn_mask.to(compute_dtype).expand(B, H, Lq, Lk)
     s = s.masked_fill(~allowed, float("-inf"))
-    row_max = s.amax(dim=-1, keepdim=True)
+    row_max = s.amax(dim=-1, keepdim=True).detach()  # any per-row constant: keep it out of gradients
     dead = torch.isneginf(row_max)
     p = torch.exp(s - torch.where(dead, torch.zeros_like(row_max), row_max))
     denom = p.sum(dim=-1, keepdim=True)

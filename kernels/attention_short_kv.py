@@ -12,19 +12,21 @@ cuDNN (benchmarks/RESULTS.md, run 4).
 
 Serves calls with no mask and no causal flag whose padded K and V fit the arch's on-chip
 budget (SHORT_KV_BYTES); everything else goes to the flash kernel (attention_triton.py).
+The softmax max is taken after scaling, so negative scales are exact here. Shared helpers
+(jit loads, padding, arch family) come from kernel_common.py.
 """
 from __future__ import annotations
 
 import math
+
 import torch
 
 from . import direct_launch
-from .attention_triton import LOG2E, _sm_count, arch_family, dot_input_precision, row_alignment, triton
+from .kernel_common import (LOG2E, arch_family, dot_input_precision, family_in, is_hip, next_pow2, row_alignment,
+                            sm_count, tl, triton)
 
 if triton is not None:
-    import triton.language as tl
-
-    from .attention_triton import _load_2d, _row_offsets
+    from .kernel_common import load_2d, row_offsets
 
 # Per arch family: query rows per tile, warps, pipeline depth of the Q-tile loop, and how many
 # programs to start per multiprocessor (each then walks its share of the query tiles).
@@ -49,15 +51,11 @@ SHORT_KV_BYTES = {"sm90": 96 << 10, "sm80": 64 << 10, "sm86": 32 << 10, "default
 SHORT_KV_MAX_KEYS = 256
 
 
-def _family(info, interpreter: bool) -> str:
+def config_family(info, interpreter: bool) -> str:
+    """The key of SHORT_KV_CONFIGS and SHORT_KV_BYTES for this device."""
     if interpreter:
         return "interpreter"
-    fam = arch_family(info.arch)
-    return {"sm89": "sm86", "sm120": "sm86", "sm75": "default"}.get(fam, fam if fam in SHORT_KV_CONFIGS else "default")
-
-
-def _padded(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
+    return family_in(SHORT_KV_CONFIGS, arch_family(info.arch))
 
 
 def short_kv_refusal(q, k, v, attn_mask, is_causal, info, interpreter: bool) -> str | None:
@@ -69,8 +67,8 @@ def short_kv_refusal(q, k, v, attn_mask, is_causal, info, interpreter: bool) -> 
     Lk, D = k.shape[2], q.shape[3]
     if Lk == 0 or Lk > SHORT_KV_MAX_KEYS:
         return f"{Lk} keys (serves 1..{SHORT_KV_MAX_KEYS})"
-    kv_bytes = 2 * _padded(Lk) * _padded(D) * k.element_size()
-    budget = SHORT_KV_BYTES[_family(info, interpreter)]
+    kv_bytes = 2 * next_pow2(Lk) * next_pow2(D) * k.element_size()
+    budget = SHORT_KV_BYTES[config_family(info, interpreter)]
     if budget == 0:
         return f"not enabled on {info.arch}"
     if kv_bytes > budget:
@@ -79,6 +77,35 @@ def short_kv_refusal(q, k, v, attn_mask, is_causal, info, interpreter: bool) -> 
 
 
 if triton is not None:
+
+    @triton.jit
+    def _short_kv_tile(
+        Q, O, kt, v, tile, offs_n, offs_d, qk_scale, stride_qm, stride_qd, stride_om, stride_od, LQ, LK,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, M_CHECK: tl.constexpr, N_CHECK: tl.constexpr,
+        D_CHECK: tl.constexpr, ALIGN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = load_2d(Q + row_offsets(offs_m, stride_qm, ALIGN)[:, None] + offs_d[None, :] * stride_qd,
+                     offs_m, LQ, offs_d, HEAD_DIM, M_CHECK, D_CHECK)
+        # Scores scaled by scale*log2(e) so exp2 gives e**(s - max); the scale may be negative,
+        # so it is applied before the max.
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        if N_CHECK:
+            s = tl.where(offs_n[None, :] < LK, s, float("-inf"))
+        m = tl.max(s, 1)
+        p = tl.math.exp2(s - m[:, None])
+        inv_l = 1.0 / tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        out = (acc * inv_l[:, None]).to(O.dtype.element_ty)
+        optrs = O + row_offsets(offs_m, stride_om, ALIGN)[:, None] + offs_d[None, :] * stride_od
+        if M_CHECK and D_CHECK:
+            tl.store(optrs, out, mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM))
+        elif M_CHECK:
+            tl.store(optrs, out, mask=offs_m[:, None] < LQ)
+        elif D_CHECK:
+            tl.store(optrs, out, mask=offs_d[None, :] < HEAD_DIM)
+        else:
+            tl.store(optrs, out)
 
     @triton.jit
     def _attn_short_kv_fwd(
@@ -92,6 +119,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         M_CHECK: tl.constexpr, N_CHECK: tl.constexpr, D_CHECK: tl.constexpr,
         ALIGN: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+        WHILE_LOOP: tl.constexpr,
     ):
         off_bh = tl.program_id(1)
         off_b = off_bh // H
@@ -106,35 +134,25 @@ if triton is not None:
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         # Padded key rows load as zeros; their scores are set to -inf below, so they get no weight.
-        k = _load_2d(K + _row_offsets(offs_n, stride_kn, ALIGN)[:, None] + offs_d[None, :] * stride_kd,
+        k = load_2d(K + row_offsets(offs_n, stride_kn, ALIGN)[:, None] + offs_d[None, :] * stride_kd,
                      offs_n, LK, offs_d, HEAD_DIM, N_CHECK, D_CHECK)
-        v = _load_2d(V + _row_offsets(offs_n, stride_vn, ALIGN)[:, None] + offs_d[None, :] * stride_vd,
+        v = load_2d(V + row_offsets(offs_n, stride_vn, ALIGN)[:, None] + offs_d[None, :] * stride_vd,
                      offs_n, LK, offs_d, HEAD_DIM, N_CHECK, D_CHECK)
         kt = tl.trans(k)
 
-        for tile in tl.range(tl.program_id(0), N_TILES, tl.num_programs(0), num_stages=NUM_STAGES):
-            offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            q = _load_2d(Q + _row_offsets(offs_m, stride_qm, ALIGN)[:, None] + offs_d[None, :] * stride_qd,
-                         offs_m, LQ, offs_d, HEAD_DIM, M_CHECK, D_CHECK)
-            # Scores scaled by scale*log2(e) so exp2 gives e**(s - max); the scale may be negative,
-            # so it is applied before the max.
-            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-            if N_CHECK:
-                s = tl.where(offs_n[None, :] < LK, s, float("-inf"))
-            m = tl.max(s, 1)
-            p = tl.math.exp2(s - m[:, None])
-            inv_l = 1.0 / tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            out = (acc * inv_l[:, None]).to(O.dtype.element_ty)
-            optrs = O + _row_offsets(offs_m, stride_om, ALIGN)[:, None] + offs_d[None, :] * stride_od
-            if M_CHECK and D_CHECK:
-                tl.store(optrs, out, mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM))
-            elif M_CHECK:
-                tl.store(optrs, out, mask=offs_m[:, None] < LQ)
-            elif D_CHECK:
-                tl.store(optrs, out, mask=offs_d[None, :] < HEAD_DIM)
-            else:
-                tl.store(optrs, out)
+        if WHILE_LOOP:
+            # Triton <= 3.6's interpreter turns tensor loop bounds into ints through 1-element
+            # arrays, an error on NumPy >= 2.4; a while test goes through bool(). Interpreter
+            # only: compiled code keeps tl.range, which Triton software-pipelines.
+            tile = tl.program_id(0)
+            while tile < N_TILES:
+                _short_kv_tile(Q, O, kt, v, tile, offs_n, offs_d, qk_scale, stride_qm, stride_qd, stride_om,
+                               stride_od, LQ, LK, HEAD_DIM, BLOCK_M, M_CHECK, N_CHECK, D_CHECK, ALIGN, DOT_PRECISION)
+                tile += tl.num_programs(0)
+        else:
+            for tile in tl.range(tl.program_id(0), N_TILES, tl.num_programs(0), num_stages=NUM_STAGES):
+                _short_kv_tile(Q, O, kt, v, tile, offs_n, offs_d, qk_scale, stride_qm, stride_qd, stride_om,
+                               stride_od, LQ, LK, HEAD_DIM, BLOCK_M, M_CHECK, N_CHECK, D_CHECK, ALIGN, DOT_PRECISION)
 
 
 def _runtime_args(q, k, v, out, scale, H, Lq, Lk, n_tiles):
@@ -162,7 +180,7 @@ def attention_short_kv(q, k, v, scale=None, info=None, interpreter=False, config
             direct_launch.launch(plan, q.device.index, _runtime_args(q, k, v, out, scale, H, Lq, Lk, n_tiles))
             return out
 
-    cfg = dict(config or SHORT_KV_CONFIGS[_family(info, interpreter)])
+    cfg = dict(config or SHORT_KV_CONFIGS[config_family(info, interpreter)])
     if q.dtype == torch.float32 and not interpreter:
         # fp32 tiles take twice the shared memory of the tuned 16-bit ones.
         cfg["BLOCK_M"], cfg["num_stages"] = min(cfg["BLOCK_M"], 64), min(cfg["num_stages"], 2)
@@ -171,15 +189,16 @@ def attention_short_kv(q, k, v, scale=None, info=None, interpreter=False, config
     if "PROGRAMS" in cfg:
         per_head = cfg["PROGRAMS"]
     else:
-        per_head = -(-_sm_count(q.device.index or 0) * cfg["PROGRAMS_PER_SM"] // (B * H))
+        per_head = -(-sm_count(q.device.index or 0) * cfg["PROGRAMS_PER_SM"] // (B * H))
     grid = (max(1, min(n_tiles, per_head)), B * H)
-    block_d = _padded(D)
+    block_d = next_pow2(D)
     consts = dict(
-        HEAD_DIM=D, GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=_padded(Lk), BLOCK_D=block_d,
-        M_CHECK=Lq % block_m != 0, N_CHECK=_padded(Lk) != Lk, D_CHECK=block_d != D,
+        HEAD_DIM=D, GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=next_pow2(Lk), BLOCK_D=block_d,
+        M_CHECK=Lq % block_m != 0, N_CHECK=next_pow2(Lk) != Lk, D_CHECK=block_d != D,
         ALIGN=row_alignment(q, k, v, out),
-        DOT_PRECISION=dot_input_precision(q.dtype == torch.float32, bool(getattr(torch.version, "hip", None))),
+        DOT_PRECISION=dot_input_precision(q.dtype == torch.float32, is_hip()),
         NUM_STAGES=cfg["num_stages"],
+        WHILE_LOOP=interpreter,
     )
     args = _runtime_args(q, k, v, out, scale, H, Lq, Lk, n_tiles)
     kernel = _attn_short_kv_fwd[grid](*args, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -196,12 +215,13 @@ def compile_spec(dtype: str, head_dim: int, kv_len: int, config: dict, hip: bool
     names = [f"stride_{t}{d}" for t in "qkvo" for d in ("b", "h", "m" if t in "qo" else "n", "d")]
     for n in names + ["H", "LQ", "LK", "N_TILES"]:
         sig[n] = "i32"
-    block_d, block_n = _padded(head_dim), _padded(kv_len)
+    block_d, block_n = next_pow2(head_dim), next_pow2(kv_len)
     constexprs = dict(
         HEAD_DIM=head_dim, GROUP=1, BLOCK_M=config["BLOCK_M"], BLOCK_N=block_n, BLOCK_D=block_d,
         M_CHECK=True, N_CHECK=block_n != kv_len, D_CHECK=block_d != head_dim,
         ALIGN=8 if dtype != "fp32" else 4, DOT_PRECISION=dot_input_precision(dtype == "fp32", hip),
         NUM_STAGES=config["num_stages"],
+        WHILE_LOOP=False,
         stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1,
     )
     for k_ in constexprs:

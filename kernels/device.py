@@ -4,11 +4,12 @@ Kept free of Triton so the registry can explain itself on machines without it.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+from . import cache_registry, env_settings
 
 
 @dataclass(frozen=True)
@@ -17,12 +18,7 @@ class DeviceInfo:
     vendor: str  # "nvidia", "amd", "cpu", "other"
     name: str
     capability: tuple[int, int] | None  # (major, minor) on NVIDIA; gfx arch lives in `arch` on AMD
-    arch: str  # "sm90", "gfx942", "cpu"
-
-    @property
-    def arch_key(self) -> str:
-        """Key of the tuning table: the exact arch when we ship configs for it, else a family."""
-        return self.arch
+    arch: str  # "sm90", "gfx942", "cpu"; kernel_common.arch_family maps it to a config family
 
 
 def triton_version() -> str | None:
@@ -45,7 +41,7 @@ def triton_import_error() -> str | None:
 
 
 def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+    return env_settings.interpreter_enabled()
 
 
 @lru_cache(maxsize=None)
@@ -55,6 +51,9 @@ def _cuda_info(index: int) -> DeviceInfo:
         arch = getattr(props, "gcnArchName", "gfx").split(":")[0]
         return DeviceInfo("cuda", "amd", props.name, (props.major, props.minor), arch)
     return DeviceInfo("cuda", "nvidia", props.name, (props.major, props.minor), f"sm{props.major}{props.minor}")
+
+
+cache_registry.register("kernels.device.cuda_info", _cuda_info.cache_clear)
 
 
 def describe(device: torch.device | str | None = None) -> DeviceInfo:

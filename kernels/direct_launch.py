@@ -11,14 +11,15 @@ launches off for the process. TRITON_ACCEL_FAST_LAUNCH=0 disables them.
 from __future__ import annotations
 
 import logging
-import os
 from typing import NamedTuple
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import cache_registry, env_settings
 
-ENABLED = os.environ.get("TRITON_ACCEL_FAST_LAUNCH", "1") not in ("0", "false", "False")
+log = logging.getLogger("triton_accel.kernels.direct_launch")  # not __name__: the clone's folder name
+
+ENABLED = env_settings.fast_launch_enabled()
 
 
 class Plan(NamedTuple):
@@ -28,7 +29,8 @@ class Plan(NamedTuple):
     verified: bool
 
 
-_plans: dict = {}
+_plans: dict = {}  # caller's signature key -> Plan
+cache_registry.register("kernels.direct_launch.plans", _plans.clear)
 
 
 def usable(t: torch.Tensor) -> bool:

@@ -1,33 +1,40 @@
 """Implementations with declared constraints, and a selection that explains every refusal.
 
-An implementation declares what it can serve (device types, capability range, dtypes, head
-dims, masks, GQA, causal) and a priority. select() walks them by priority and returns the
-first that accepts the call, or raises with the reason each one refused. The same checks
-answer "can Triton serve this call, and if not why" for the ComfyUI nodes, so the nodes and
-the dispatch never disagree.
+An implementation declares what it can serve (device types, dtypes, head dims, masks, GQA,
+causal, whether it needs FP8 tensor cores) and a priority. select() walks them by priority
+and returns the first that accepts the call, or raises with the reason each one refused. The
+same checks answer "can Triton serve this call, and if not why" for the ComfyUI nodes, so the
+nodes and the dispatch never disagree.
+
+Which GPUs qualify (the oldest NVIDIA capability a Triton version compiles for, bf16 and FP8
+tensor cores) is gpu_rules.py's: Constraints carry the numbers it gives and ask it per call,
+never their own. A refusal is always one piece of text for people (`str`, None = accepted);
+the exceptions below carry it as `.reason`.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from . import device as _device
+from .gpu_rules import capability_refusal, sm
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("triton_accel.kernels.registry")  # not __name__: the clone's folder name
 
 
 class NoImplementationError(RuntimeError):
-    """No implementation accepted the call; `reasons` maps each name to why it refused."""
+    """No implementation accepted the call; `reasons` maps each name to why it refused and
+    `reason` joins them."""
 
     def __init__(self, op: str, reasons: dict[str, str]):
         self.op = op
         self.reasons = dict(reasons)
-        detail = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or "nothing registered"
-        super().__init__(f"no implementation of {op} can serve this call ({detail})")
+        self.reason = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or "nothing registered"
+        super().__init__(f"no implementation of {op} can serve this call ({self.reason})")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -49,20 +56,16 @@ class Call:
     q_heads: int
     kv_heads: int
     mask: str  # "none", "bool", "additive"
-    mask_dtype: torch.dtype | None
     is_causal: bool
-    batch: int = 1
-    q_len: int = 0
-    kv_len: int = 0
 
 
 @dataclass(frozen=True)
 class Constraints:
     device_types: frozenset[str] = frozenset({"cuda"})
     vendors: frozenset[str] | None = None  # None: any vendor of an allowed device type
-    min_capability: tuple[int, int] | None = None  # NVIDIA only
+    min_capability: tuple[int, int] | None = None  # NVIDIA only; gpu_rules.min_capability_for(triton)
+    fp8: bool = False  # needs FP8 (e4m3) tensor cores; gpu_rules decides which GPUs have them
     dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16, torch.float32})
-    dtype_min_capability: dict = field(default_factory=dict)  # dtype -> capability, NVIDIA only
     head_dims: tuple[int, int] = (1, 256)  # inclusive
     same_head_dim_v: bool = True
     masks: frozenset[str] = frozenset({"none", "bool", "additive"})
@@ -81,12 +84,14 @@ class Constraints:
             return f"vendor {dev.vendor!r} not supported"
         if dev.vendor == "nvidia" and self.min_capability and dev.capability < self.min_capability:
             return (f"compute capability {dev.capability[0]}.{dev.capability[1]} < required "
-                    f"{self.min_capability[0]}.{self.min_capability[1]} ({dev.name})")
+                    f"{self.min_capability[0]}.{self.min_capability[1]} for the installed Triton "
+                    f"({dev.name} is {sm(dev.capability)})")
         if call.dtype not in self.dtypes:
             return f"dtype {call.dtype} not supported"
-        need = self.dtype_min_capability.get(call.dtype)
-        if need and dev.vendor == "nvidia" and dev.capability < need:
-            return f"{call.dtype} needs compute capability >= {need[0]}.{need[1]} ({dev.name})"
+        refusal = capability_refusal(dev.vendor, dev.capability, dev.name,
+                                     dtype=str(call.dtype).replace("torch.", ""), fp8=self.fp8)
+        if refusal is not None:
+            return refusal.reason
         lo, hi = self.head_dims
         if not lo <= call.head_dim <= hi:
             return f"head dim {call.head_dim} outside {lo}..{hi}"
@@ -154,10 +159,6 @@ class Registry:
     def explain(self, op: str, call: Call) -> dict[str, str | None]:
         """Every implementation's answer for this call: None means it would accept it."""
         return {impl.name: impl.refusal(call) for impl in self.implementations(op)}
-
-    def describe(self) -> dict:
-        return {op: {i.name: {"priority": i.priority, "unavailable": i.unavailable} for i in impls.values()}
-                for op, impls in self._impls.items()}
 
 
 registry = Registry()

@@ -2,37 +2,32 @@
 
 Nobody waits for autotuning unless they ask for it (TRITON_ACCEL_AUTOTUNE=1): the default is
 a table lookup. Autotune results are stored per GPU name, capability, Triton version and
-shape class, so a driver, GPU or Triton change never reuses a stale winner. Writes are
-atomic (temp file + os.replace) because several ComfyUI processes may share the cache.
+shape class, so a driver, GPU or Triton change never reuses a stale winner. The file is a
+json_cache.JsonCache: several ComfyUI processes may share it, so writes merge under a
+cross-process lock and replace the file atomically, and an entry that is not a flat config
+dict is never returned.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
-import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from . import device as _device
+from . import env_settings
+from .json_cache import JsonCache
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("triton_accel.kernels.tuning")  # not __name__: the clone's folder name
 
 CACHE_VERSION = 1
-_lock = threading.Lock()
-_memory: dict[str, dict] | None = None
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get("TRITON_ACCEL_AUTOTUNE", "0") not in ("", "0", "false", "False")
+    return env_settings.autotune_enabled()
 
 
 def cache_path() -> Path:
-    root = os.environ.get("TRITON_ACCEL_CACHE_DIR")
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "triton_accel")
+    root = env_settings.cache_dir() or env_settings.user_cache_root()
     return Path(root) / f"tuning-v{CACHE_VERSION}.json"
 
 
@@ -42,51 +37,32 @@ def cache_key(op: str, info: _device.DeviceInfo, shape_class: Iterable) -> str:
     return "|".join(parts)
 
 
-def _load() -> dict[str, dict]:
-    global _memory
-    if _memory is None:
-        try:
-            data = json.loads(cache_path().read_text())
-            _memory = data.get("entries", {}) if data.get("version") == CACHE_VERSION else {}
-        except FileNotFoundError:
-            _memory = {}
-        except Exception as e:  # a corrupt cache must not break inference; it is rebuilt
-            log.warning("ignoring unreadable tuning cache %s: %s", cache_path(), e)
-            _memory = {}
-    return _memory
+def valid_config(key: str, config: object) -> bool:
+    """A launch config: a non-empty dict of names to JSON scalars (BLOCK_M=128, TMA=False...)."""
+    return (isinstance(config, dict) and bool(config)
+            and all(isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in config.items()))
+
+
+# The path is resolved at first use after clear_memory(), so tests and users may point
+# TRITON_ACCEL_CACHE_DIR elsewhere and clear.
+_cache = JsonCache("tuning cache", cache_path, CACHE_VERSION, valid_config)
 
 
 def cached(key: str) -> dict | None:
-    with _lock:
-        return _load().get(key)
+    config = _cache.get(key)
+    return dict(config) if config is not None else None
 
 
 def store(key: str, config: dict) -> None:
-    path = cache_path()
-    with _lock:
-        entries = _load()
-        entries[key] = config
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            try:  # merge what other processes wrote since we read
-                on_disk = json.loads(path.read_text()).get("entries", {})
-                on_disk.update(entries)
-                entries.update(on_disk)
-            except Exception:
-                pass
-            fd, tmp = tempfile.mkstemp(prefix=".tuning-", suffix=".json", dir=path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except OSError as e:
-            log.warning("could not write tuning cache %s: %s", path, e)
+    try:
+        _cache.put(key, dict(config))
+    except (TypeError, ValueError) as e:  # a config the file cannot hold: still used, just not kept
+        log.warning("Triton Accel: not storing config %r for %s in the tuning cache: %s", config, key, e)
 
 
 def clear_memory() -> None:
     """Forget the in-memory copy (tests point TRITON_ACCEL_CACHE_DIR elsewhere)."""
-    global _memory
-    with _lock:
-        _memory = None
+    _cache.clear()
 
 
 def autotune(candidates: list[dict], run: Callable[[dict], object]) -> tuple[dict, dict]:
@@ -101,7 +77,7 @@ def autotune(candidates: list[dict], run: Callable[[dict], object]) -> tuple[dic
     for i, cfg in enumerate(candidates):
         try:
             run(cfg)
-            ms = triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=20, return_mode="median")
+            ms = triton.testing.do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20, return_mode="median")
         except Exception as e:
             log.debug("autotune candidate %s failed: %s", cfg, e)
             continue

@@ -1,4 +1,4 @@
-"""Probe the facts of one device (what path_choice decides from). Cached per device."""
+"""Probe the facts of one device (what kernels/gpu_rules.py decides from). Cached per device."""
 from __future__ import annotations
 
 import threading
@@ -6,11 +6,13 @@ import threading
 import torch
 
 from .. import kernels
+from ..kernels import cache_registry
 from ..kernels import selfcheck
-from .path_choice import PATH_TRITON_FP8, PATH_TRITON_FP16, DeviceFacts
+from ..kernels.gpu_rules import BACKEND_OF_PATH, Facts
 
-_cache: dict[str, DeviceFacts] = {}
+_cache: dict[str, Facts] = {}
 _lock = threading.Lock()
+cache_registry.register("nodes.device_probe", _cache.clear)
 
 
 def _normalise(device) -> torch.device:
@@ -23,14 +25,14 @@ def _normalise(device) -> torch.device:
 def implemented_paths() -> frozenset[str]:
     """Attention paths this build ships and can run at all (Triton importable)."""
     paths = set()
-    for path, name in ((PATH_TRITON_FP16, "triton_attention"), (PATH_TRITON_FP8, "triton_fp8")):
+    for path, name in BACKEND_OF_PATH.items():
         impl = kernels.registry.get("attention", name)
         if impl is not None and not impl.unavailable:
             paths.add(path)
     return frozenset(paths)
 
 
-def probe(device) -> DeviceFacts:
+def probe(device) -> Facts:
     device = _normalise(device)
     key = str(device)
     with _lock:
@@ -50,9 +52,9 @@ def probe(device) -> DeviceFacts:
     arch = info.arch
     if vendor == "nvidia" and info.capability:
         arch = f"sm_{info.capability[0]}{info.capability[1]}"
-    facts = DeviceFacts(
+    facts = Facts(
         device=key, vendor=vendor, name=info.name, capability=info.capability if vendor == "nvidia" else None,
-        arch=arch, vram_bytes=vram, torch_version=torch.__version__.split("+")[0],
+        arch=arch, vram_bytes=vram, torch_version=torch.__version__.split("+")[0], torch_cuda=torch.version.cuda,
         triton_version=triton_version, triton_error=triton_error,
         interpreter=kernels.interpreter_enabled(), implemented=implemented_paths(),
     )
@@ -61,7 +63,7 @@ def probe(device) -> DeviceFacts:
     return facts
 
 
-def summary(facts: DeviceFacts) -> str:
+def summary(facts: Facts) -> str:
     parts = [facts.name or facts.device]
     if facts.vendor == "nvidia" and facts.capability:
         parts.append(f"sm_{facts.capability[0]}{facts.capability[1]}")

@@ -16,7 +16,7 @@ from .. import __version__ as PACK_VERSION
 from .. import kernels
 from . import call_stats
 from .device_probe import probe
-from .path_choice import PATH_PYTORCH, PATH_TRITON_FP8, PATH_TRITON_FP16
+from ..kernels.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
 from .settings import SETTINGS_TYPE, AccelSettings
 from .speed_choice import ORIGINAL, SpeedChoice, shape_class
 
@@ -31,9 +31,6 @@ _KNOWN_KWARGS = {"transformer_options", "_inside_attn_wrapper", "scale", "enable
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _speed_choice: SpeedChoice | None = None
-# The kernels' registry name for each path the nodes choose.
-BACKEND_OF_PATH = {PATH_TRITON_FP16: "triton", PATH_TRITON_FP8: "fp8"}
-LOSSY_PATHS = {PATH_TRITON_FP8}
 AUTO_KEPT_ORIGINAL = "auto: ComfyUI's attention measured faster (or not equal) at this shape"
 
 

@@ -7,7 +7,7 @@ import threading
 import torch
 
 from .device_probe import probe, summary
-from .path_choice import MODES, Decision, select_path
+from ..kernels.gpu_rules import MODES, Decision, select_path
 
 log = logging.getLogger("triton_accel")
 

@@ -2,21 +2,25 @@
 
 A GPU we have no measured figures for must never get slower: the first call of each shape
 class runs both, keeps the faster (and only if both agree numerically), and remembers the
-answer on disk, keyed by GPU, shape class and every version that changes the speed.
+answer on disk, keyed by GPU, shape class and every version that changes the speed. The
+file is a kernels.json_cache.JsonCache: ComfyUI processes sharing it merge their answers
+under a cross-process lock instead of overwriting each other's, and an entry of the wrong
+shape is dropped on reading, never raised from inside the sampler's attention call.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from ..kernels import env_settings
+from ..kernels.json_cache import JsonCache
+
+log = logging.getLogger("triton_accel.nodes.speed_choice")  # not __name__: the clone's folder name
 
 CACHE_VERSION = 1
 WARMUP_RUNS = 2
@@ -40,7 +44,7 @@ def shape_class(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> 
 
 
 def default_cache_file() -> Path:
-    base = os.environ.get("TRITON_ACCEL_CACHE_DIR")
+    base = env_settings.cache_dir()
     if not base:
         try:
             import folder_paths  # ComfyUI's; keeps the cache with the user's other settings
@@ -49,6 +53,12 @@ def default_cache_file() -> Path:
         except Exception:
             base = os.path.join(os.path.expanduser("~"), ".cache", "triton_accel")
     return Path(base) / "attention_speed.json"
+
+
+def valid_entry(key: str, entry: object) -> bool:
+    """{"choice": name, "timings": {...}}: what choose() writes and known() reads."""
+    return (isinstance(entry, dict) and isinstance(entry.get("choice"), str)
+            and isinstance(entry.get("timings", {}), dict))
 
 
 def _time_ms(fn, device: torch.device) -> tuple[float, torch.Tensor]:
@@ -68,33 +78,19 @@ def _time_ms(fn, device: torch.device) -> tuple[float, torch.Tensor]:
 
 class SpeedChoice:
     def __init__(self, cache_file: Path | None = None, timer=None):
-        self.cache_file = Path(cache_file) if cache_file else default_cache_file()
+        # Without an explicit file the path is resolved at first use after a clear, so a
+        # changed TRITON_ACCEL_CACHE_DIR takes effect after kernels' clear_caches().
+        self._cache = JsonCache("auto speed cache", Path(cache_file) if cache_file else default_cache_file,
+                                CACHE_VERSION, valid_entry)
         self._timer = timer or _time_ms
-        self._lock = threading.Lock()
-        self._entries: dict[str, dict] | None = None
+        self._lock = threading.Lock()  # one measurement at a time: timings must not overlap
 
-    def _load(self) -> dict[str, dict]:
-        if self._entries is None:
-            try:
-                data = json.loads(self.cache_file.read_text())
-                self._entries = data["entries"] if data.get("version") == CACHE_VERSION else {}
-            except (OSError, ValueError, KeyError, TypeError):
-                self._entries = {}
-        return self._entries
-
-    def _save(self) -> None:
-        try:
-            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.cache_file.parent, prefix=".attention_speed.")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": CACHE_VERSION, "entries": self._entries}, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.cache_file)  # atomic: two ComfyUI processes never see half a file
-        except OSError:
-            log.warning("Triton Accel: could not write %s; timings are kept in memory only", self.cache_file)
+    @property
+    def cache_file(self) -> Path:
+        return self._cache.path
 
     def known(self, key: str) -> str | None:
-        with self._lock:
-            entry = self._load().get(key)
+        entry = self._cache.get(key)
         return entry["choice"] if entry else None
 
     def choose(self, key: str, candidates: dict, device: torch.device):
@@ -105,7 +101,7 @@ class SpeedChoice:
         timed runs (None when the answer came from the cache).
         """
         with self._lock:
-            entry = self._load().get(key)
+            entry = self._cache.get(key)
             if entry:
                 return entry["choice"], None
             original_ms, original_out = self._timer(candidates[ORIGINAL], device)
@@ -126,8 +122,7 @@ class SpeedChoice:
                     continue
                 if ms < best_ms:
                     choice, best_ms = name, ms
-            self._entries[key] = {"choice": choice, "timings": timings}
             log.info("Triton Accel: %s: %s -> %s", key,
                      ", ".join(f"{n} {t['ms']:.3f} ms" for n, t in timings.items()), choice)
-            self._save()
+            self._cache.put(key, {"choice": choice, "timings": timings})
             return choice, outputs[choice]

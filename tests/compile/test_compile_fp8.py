@@ -20,6 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 fp8 = importlib.import_module("triton_accel.kernels.attention_fp8")
 device_mod = importlib.import_module("triton_accel.kernels.device")
+gpu_rules = importlib.import_module("triton_accel.kernels.gpu_rules")
 
 # Largest shared memory one block may use (bytes), per target.
 SMEM_LIMIT = {89: 101376, 90: 232448, 120: 101376}
@@ -60,7 +61,7 @@ def compile_job(job):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    family = fp8.arch_family(f"sm{cc}")
+    family = fp8.config_family(f"sm{cc}")
     cfg = fp8.FP8_ATTENTION_CONFIGS[family][fp8.head_dim_class(d)]
     out = []
     for fn, sig, const, attrs in fp8.compile_specs(dtype, d, cfg, mask_kind, causal):
@@ -124,8 +125,9 @@ def test_launcher_refuses_below_sm89_with_our_message(monkeypatch, cc):
     monkeypatch.setattr(fp8._device, "describe", lambda device=None: info)
     with pytest.raises(fp8.FP8UnsupportedError) as e:
         fp8._check_device(torch.device("cuda", 0))
-    assert str(e.value) == f"FP8 attention needs compute capability 8.9+ (RTX 40xx / H100 or newer); {name} is sm_{cc}"
-    assert fp8.fp8_supported((major, minor)) == (False, str(e.value).replace(name, "this GPU"))
+    assert e.value.reason == f"FP8 tensor cores need sm_89+ ({name} is sm_{cc})"
+    # the launcher's words are gpu_rules.py's, the ones the registry and the Settings node show
+    assert e.value.reason == gpu_rules.capability_refusal("nvidia", (major, minor), name, fp8=True).reason
 
 
 @pytest.mark.parametrize("cc", [89, 90, 100, 120])

@@ -79,9 +79,15 @@ CHILD = textwrap.dedent(r'''
                                                      mask_row_bcast=mk == 2)
         out.append(build({"case": f"{dtype}_d{d}_lk{lk}_mask{mk}", "class": cls, "config": cfg},
                          fn, sig, constexprs, attrs, cfg))
+    # The negative-scale variant (row minimum in the hot path) of the first case.
+    dtype, d, lk, mk = cases[0]
+    cfg = at.lookup_config(key, at.head_dim_class(d, lk))
+    fn, sig, constexprs, attrs = at.compile_spec(dtype, d, cfg, hip=backend == "hip", negative_scale=True)
+    out.append(build({"case": f"{dtype}_d{d}_lk{lk}_negative_scale", "class": "negative_scale", "config": cfg},
+                     fn, sig, constexprs, attrs, cfg))
     # The short-key kernel (cross-attention): the arch's config at the largest K/V it keeps on chip.
     sk = importlib.import_module("ta_compile.kernels.attention_short_kv")
-    fam = sk._family(types.SimpleNamespace(arch=key), False)
+    fam = sk.config_family(types.SimpleNamespace(arch=key), False)
     skcfg = sk.SHORT_KV_CONFIGS[fam]
     sk_cases = [("fp16", 64, 77)]
     if key == "sm90":
@@ -91,7 +97,7 @@ CHILD = textwrap.dedent(r'''
     if backend == "cuda" and arch < 80:
         sk_cases = [c for c in sk_cases if c[0] != "bf16"]
     for dtype, d, lk in sk_cases:
-        kv_bytes = 2 * sk._padded(d) * sk._padded(lk) * 2
+        kv_bytes = 2 * sk.next_pow2(d) * sk.next_pow2(lk) * 2
         if kv_bytes > sk.SHORT_KV_BYTES[fam]:
             continue  # the launcher does not use this kernel there
         fn, sig, constexprs, attrs = sk.compile_spec(dtype, d, lk, skcfg, hip=backend == "hip")

@@ -65,3 +65,21 @@ def wheel_member(wheel: Path, filename: str) -> bytes:
         names = [n for n in zf.namelist() if n == filename or n.endswith("/" + filename)]
         assert names, f"{filename} not in {wheel.name}"
         return zf.read(sorted(names)[0])
+
+
+def fake_python(folder, payload: str):
+    """An executable that answers install.py's probe with `payload` after the probe mark."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "probe-output.txt").write_text("@@TRITON_ACCEL_PROBE@@" + payload + "\n")
+    exe = folder / "python"
+    exe.write_text(f"#!/bin/sh\ncat '{folder / 'probe-output.txt'}'\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def good_probe(exe):
+    """A well-formed probe report (what PROBE_SCRIPT prints) of a Python without torch."""
+    d = str(exe.parent)
+    return {"executable": str(exe), "machine": "x86_64", "version": [3, 12, 3], "prefix": d, "base_prefix": d,
+            "exec_prefix": d, "base_exec_prefix": d, "free_threaded": False, "include_dir": None, "sys_path": [],
+            "site_dirs": [], "pip": True, "dists": {}, "torch_requires": []}

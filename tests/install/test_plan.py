@@ -33,7 +33,9 @@ GPUS = {
     "sm86": {"name": "NVIDIA GeForce RTX 3090", "capability": [8, 6]},
     "sm89": {"name": "NVIDIA GeForce RTX 4090", "capability": [8, 9]},
     "sm90": {"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0]},
+    "sm100": {"name": "NVIDIA B200", "capability": [10, 0]},
     "sm120": {"name": "NVIDIA GeForce RTX 5090", "capability": [12, 0]},
+    "gfx942": {"name": "AMD Instinct MI300X", "capability": [9, 4], "arch": "gfx942:sramecc+:xnack-"},
 }
 
 
@@ -78,6 +80,8 @@ SYSTEM = [PYTHONS["system"][0], "-m", "pip"]
 LINUX = ["/home/me/ComfyUI/.venv/bin/python", "-m", "pip"]
 TORCH29_LINUX_REQ = ['triton==3.5.0; platform_system == "Linux" and platform_machine == "x86_64"']
 TORCH29_ROCM_REQ = ['pytorch-triton-rocm==3.5.0; platform_system == "Linux"']
+# A torch 2.7 (CUDA 12.8) that pins Triton 3.2: Blackwell needs Triton 3.3 whatever torch is.
+TORCH27_TRITON32_REQ = ['triton==3.2.0; platform_system == "Linux"']
 
 
 def pip_install(base, spec, *extra):
@@ -88,46 +92,46 @@ def pip_install(base, spec, *extra):
 SCENARIOS = [
     # --- Windows: version matrix (torch minor -> triton-windows minor), every Python kind ---
     ("win-embedded-torch2.10-py3.12-sm89-fresh", win(), False,
-     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-embedded-torch2.10-py3.13-sm89-installed", win(py=(3, 13, 9), installed={"triton-windows": "3.6.0.post26"}),
-     False, [], [("info", "TRITON_OK")], "triton-fp8"),
+     False, [], [("info", "TRITON_OK")], "triton_fp8"),
     ("win-venv-torch2.9-py3.11-sm86", win("venv", "2.9.1+cu126", (3, 11, 9), "sm86"), False,
-     [pip_install(VENV, "triton-windows>=3.5,<3.6")], [("info", "TRITON_MISSING")], "triton-fp16"),
+     [pip_install(VENV, "triton-windows>=3.5,<3.6")], [("info", "TRITON_MISSING")], "triton_fp16"),
     ("win-conda-torch2.8-py3.10-sm120-cu128", win("conda", "2.8.0+cu128", (3, 10, 16), "sm120"), False,
-     [pip_install(CONDA, "triton-windows>=3.4,<3.5")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(CONDA, "triton-windows>=3.4,<3.5")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-system-torch2.7-py3.13-sm80-cu126", win("system", "2.7.1+cu126", (3, 13, 2), "sm80"), False,
-     [pip_install(SYSTEM, "triton-windows>=3.3,<3.4")], [("info", "TRITON_MISSING")], "triton-fp16"),
+     [pip_install(SYSTEM, "triton-windows>=3.3,<3.4")], [("info", "TRITON_MISSING")], "triton_fp16"),
     ("win-embedded-torch2.6-py3.12-sm75", win(torch="2.6.0+cu124", gpu="sm75"), False,
-     [pip_install(EMB, "triton-windows>=3.2,<3.3")], [("info", "TRITON_MISSING")], "triton-fp16"),
+     [pip_install(EMB, "triton-windows>=3.2,<3.3")], [("info", "TRITON_MISSING")], "triton_fp16"),
     ("win-embedded-torch2.5-py3.12-sm86", win(torch="2.5.1+cu124", gpu="sm86"), False,
-     [pip_install(EMB, "triton-windows>=3.1,<3.2")], [("info", "TRITON_MISSING")], "triton-fp16"),
+     [pip_install(EMB, "triton-windows>=3.1,<3.2")], [("info", "TRITON_MISSING")], "triton_fp16"),
     ("win-embedded-torch2.4-py3.11-sm89", win(torch="2.4.1+cu124", py=(3, 11, 9)), False,
-     [pip_install(EMB, "triton-windows>=3.1,<3.2")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.1,<3.2")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-embedded-torch2.11-py3.13-sm89", win(torch="2.11.0+cu130", py=(3, 13, 9)), False,
-     [pip_install(EMB, "triton-windows>=3.7,<3.8")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.7,<3.8")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-embedded-torch2.13-py3.14-sm120", win(torch="2.13.0+cu130", py=(3, 14, 1), gpu="sm120"), False,
-     [pip_install(EMB, "triton-windows>=3.9,<3.10")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.9,<3.10")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-embedded-torch2.3-too-old", win(torch="2.3.1+cu121"), False,
      [], [("error", "TORCH_TOO_OLD")], "pytorch"),
     ("win-embedded-torch3.0-unknown", win(torch="3.0.0+cu130"), False,
      [], [("error", "TORCH_UNKNOWN")], "pytorch"),
     ("win-torch-requires-dist-wins", win(torch="2.10.0+cu128",
                                           torch_requires=['triton-windows==3.7.1.post27; platform_system == "Windows"']),
-     False, [pip_install(EMB, "triton-windows>=3.7,<3.8")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     False, [pip_install(EMB, "triton-windows>=3.7,<3.8")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-torch-requires-linux-triton-pin", win(torch="2.9.0+cu128", torch_requires=TORCH29_LINUX_REQ), False,
-     [pip_install(EMB, "triton-windows>=3.5,<3.6")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.5,<3.6")], [("info", "TRITON_MISSING")], "triton_fp8"),
     # --- Windows: installed triton states ---
     ("win-mismatch-too-old", win(installed={"triton-windows": "3.4.0.post21"}), False,
-     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("warning", "TRITON_MISMATCH")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("warning", "TRITON_MISMATCH")], "triton_fp8"),
     ("win-mismatch-too-new", win(torch="2.8.0+cu128", installed={"triton-windows": "3.6.0.post26"}), False,
-     [pip_install(EMB, "triton-windows>=3.4,<3.5")], [("warning", "TRITON_MISMATCH")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.4,<3.5")], [("warning", "TRITON_MISMATCH")], "triton_fp8"),
     ("win-plain-triton-conflict", win(installed={"triton": "3.2.0"}), False,
      [["pip", EMB + ["uninstall", "-y", "triton"]], pip_install(EMB, "triton-windows>=3.6,<3.7")],
-     [("warning", "TRITON_CONFLICT"), ("info", "TRITON_MISSING")], "triton-fp8"),
+     [("warning", "TRITON_CONFLICT"), ("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-plain-triton-and-triton-windows", win(installed={"triton": "3.2.0", "triton-windows": "3.6.0.post26"}), False,
      [["pip", EMB + ["uninstall", "-y", "triton"]],
       pip_install(EMB, "triton-windows==3.6.0.post26", "--force-reinstall")],
-     [("warning", "TRITON_CONFLICT")], "triton-fp8"),
+     [("warning", "TRITON_CONFLICT")], "triton_fp8"),
     # --- Windows: Python version vs triton-windows wheels ---
     ("win-py3.9-torch2.10", win(py=(3, 9, 13)), False, [], [("error", "PYTHON_UNSUPPORTED")], "pytorch"),
     ("win-py3.14-torch2.8", win(torch="2.8.0+cu128", py=(3, 14, 0)), False,
@@ -135,12 +139,12 @@ SCENARIOS = [
     ("win-py3.13-torch2.5", win(torch="2.5.1+cu124", py=(3, 13, 1)), False,
      [], [("error", "PYTHON_UNSUPPORTED")], "pytorch"),
     ("win-py3.9-torch2.6-ok", win(torch="2.6.0+cu126", py=(3, 9, 13)), False,
-     [pip_install(EMB, "triton-windows>=3.2,<3.3")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.2,<3.3")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-py3.14-torch2.9-ok", win(torch="2.9.1+cu128", py=(3, 14, 0)), False,
-     [pip_install(EMB, "triton-windows>=3.5,<3.6")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.5,<3.6")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-free-threaded", win(py=(3, 13, 9), free_threaded=True, python_lib=PORTABLE + r"\libs\python313t.lib"), False,
      [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("warning", "FREE_THREADED"), ("info", "TRITON_MISSING")],
-     "triton-fp8"),
+     "triton_fp8"),
     # --- GPUs ---
     ("win-sm61", win(gpu="sm61"), False,
      [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("error", "GPU_TOO_OLD"), ("info", "TRITON_MISSING")], "pytorch"),
@@ -153,6 +157,14 @@ SCENARIOS = [
     ("win-sm120-torch2.7-cu126", win(torch="2.7.0+cu126", gpu="sm120"), False,
      [pip_install(EMB, "triton-windows>=3.3,<3.4")], [("error", "GPU_NEEDS_CU128"), ("info", "TRITON_MISSING")],
      "pytorch"),
+    ("win-sm100-torch2.6", win(torch="2.6.0+cu124", gpu="sm100"), False,
+     [pip_install(EMB, "triton-windows>=3.2,<3.3")], [("error", "GPU_NEEDS_CU128"), ("info", "TRITON_MISSING")],
+     "pytorch"),
+    ("win-sm100-torch2.7-cu128", win(torch="2.7.1+cu128", gpu="sm100"), False,
+     [pip_install(EMB, "triton-windows>=3.3,<3.4")], [("info", "TRITON_MISSING")], "triton_fp8"),
+    ("linux-sm100-torch2.7-triton3.2", linux("2.7.0+cu128", "sm100", requires=TORCH27_TRITON32_REQ,
+                                             installed={"triton": "3.2.0"}), False,
+     [], [("error", "GPU_BLACKWELL_NEEDS_TRITON"), ("info", "TRITON_OK")], "pytorch"),
     ("win-cuda-torch-no-gpu", win(gpu=None, torch_cuda="12.8"), False,
      [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("warning", "NO_GPU"), ("info", "TRITON_MISSING")], "pytorch"),
     ("win-cpu-torch", win(torch="2.10.0+cpu", numpy_version=None), False,
@@ -161,23 +173,23 @@ SCENARIOS = [
     # --- CUDA version mismatch between torch and Triton ---
     ("win-cu118-torch2.7-driver-unknown", win(torch="2.7.1+cu118", cuda_driver=None), False,
      [pip_install(EMB, "triton-windows>=3.3,<3.4")], [("warning", "CUDA_MISMATCH"), ("info", "TRITON_MISSING")],
-     "triton-fp8"),
+     "triton_fp8"),
     ("win-cu118-torch2.7-driver-11.8", win(torch="2.7.1+cu118", cuda_driver="11.8"), False,
      [pip_install(EMB, "triton-windows>=3.3,<3.4")], [("error", "CUDA_MISMATCH"), ("info", "TRITON_MISSING")],
      "pytorch"),
     ("win-cu121-torch2.7-driver-12.4", win(torch="2.7.1+cu121", cuda_driver="12.4"), False,
      [pip_install(EMB, "triton-windows>=3.3,<3.4")], [("warning", "CUDA_MISMATCH"), ("info", "TRITON_MISSING")],
-     "triton-fp8"),
+     "triton_fp8"),
     ("win-cu118-torch2.7-driver-12.8-fine", win(torch="2.7.1+cu118", cuda_driver="12.8"), False,
-     [pip_install(EMB, "triton-windows>=3.3,<3.4")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.3,<3.4")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-cu124-torch2.6-bundled-12.4-fine", win(torch="2.6.0+cu124", cuda_driver="12.4"), False,
-     [pip_install(EMB, "triton-windows>=3.2,<3.3")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.2,<3.3")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-cuda-path-11.8", win(cuda_path=r"C:\Program Files\NVIDIA GPU Computing Toolkit\CUDA\v11.8",
                                cuda_path_version=[11, 8], installed={"triton-windows": "3.6.0.post26"}), False,
      [], [("error", "CUDA_PATH_OLD"), ("info", "TRITON_OK")], "pytorch"),
     ("win-cuda-path-12.8-fine", win(cuda_path=r"C:\Program Files\NVIDIA GPU Computing Toolkit\CUDA\v12.8",
                                     cuda_path_version=[12, 8], installed={"triton-windows": "3.6.0.post26"}), False,
-     [], [("info", "TRITON_OK")], "triton-fp8"),
+     [], [("info", "TRITON_OK")], "triton_fp8"),
     # --- VC++ runtime (DLL states) ---
     ("win-vcrt-missing", win(vcrt_system={"msvcp140.dll": GOOD_VC, "vcruntime140.dll": GOOD_VC,
                                           "vcruntime140_1.dll": None}), False,
@@ -187,7 +199,7 @@ SCENARIOS = [
      [pip_install(EMB, "triton-windows>=3.6,<3.7")],
      [("error", "VCRT_OLD")] * 3 + [("info", "TRITON_MISSING")], "pytorch"),
     ("win-vcrt-14.42-exactly-ok", win(vcrt_system={d: [14, 42, 34433, 0] for d in inst.VCRT_DLLS}), False,
-     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-vcrt-shadow-embedded", win(vcrt_python={"vcruntime140.dll": OLD_VC, "vcruntime140_1.dll": OLD_VC}), False,
      [pip_install(EMB, "triton-windows>=3.6,<3.7")],
      [("error", "VCRT_SHADOW"), ("error", "VCRT_SHADOW"), ("info", "TRITON_MISSING")], "pytorch"),
@@ -195,14 +207,14 @@ SCENARIOS = [
      [["copy-vcrt", None], pip_install(EMB, "triton-windows>=3.6,<3.7")],
      [("error", "VCRT_SHADOW"), ("error", "VCRT_SHADOW"), ("info", "TRITON_MISSING")], "pytorch"),
     ("win-vcrt-shadow-current-copy-ok", win(vcrt_python={"vcruntime140.dll": GOOD_VC}), False,
-     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-vcrt-shadow-conda", win("conda", vcrt_python={"vcruntime140.dll": OLD_VC}), True,
      [pip_install(CONDA, "triton-windows>=3.6,<3.7")], [("error", "VCRT_SHADOW"), ("info", "TRITON_MISSING")],
      "pytorch"),
     ("win-vcrt-unreadable", win(vcrt_system={"msvcp140.dll": GOOD_VC, "vcruntime140.dll": GOOD_VC},
                                 vcrt_errors={SYS32 + r"\vcruntime140_1.dll": "truncated file: ..."}), False,
      [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("warning", "VCRT_UNREADABLE"), ("info", "TRITON_MISSING")],
-     "triton-fp8"),
+     "triton_fp8"),
     # --- Python headers and libs ---
     ("win-embedded-no-python-h", win(python_h=False, include_minor=None), False,
      [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("error", "PYTHON_H_MISSING"), ("info", "TRITON_MISSING")],
@@ -220,22 +232,22 @@ SCENARIOS = [
     ("win-cc-folder", win(cc=r"C:\Program Files\Microsoft Visual Studio\2022\BuildTools", cc_is_file=False), False,
      [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("error", "CC_NOT_FILE"), ("info", "TRITON_MISSING")], "pytorch"),
     ("win-cc-file-ok", win(cc=r"C:\tools\cl.exe", cc_is_file=True), False,
-     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-shadow-triton-py", win(shadows=[r"C:\ComfyUI_windows_portable\ComfyUI\triton.py"]), False,
      [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("error", "TRITON_SHADOWED"), ("info", "TRITON_MISSING")],
      "pytorch"),
     ("win-long-paths-off", win(long_paths_enabled=False), False,
      [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("warning", "LONG_PATHS"), ("info", "TRITON_MISSING")],
-     "triton-fp8"),
+     "triton_fp8"),
     ("win-long-paths-unknown", win(long_paths_enabled=None), False,
-     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("info", "TRITON_MISSING")], "triton-fp8"),
+     [pip_install(EMB, "triton-windows>=3.6,<3.7")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-cache-non-ascii", win(triton_cache_dir="C:\\Users\\J\u00fcrgen\\.triton\\cache", cache_ascii=False,
                                 installed={"triton-windows": "3.6.0.post26"}), False,
-     [["mkdir", None], ["write-config", None]], [("warning", "CACHE_NON_ASCII"), ("info", "TRITON_OK")], "triton-fp8"),
+     [["mkdir", None], ["write-config", None]], [("warning", "CACHE_NON_ASCII"), ("info", "TRITON_OK")], "triton_fp8"),
     ("win-cache-non-ascii-configured", win(triton_cache_dir="C:\\Users\\J\u00fcrgen\\.triton\\cache",
                                            cache_ascii=False, installed={"triton-windows": "3.6.0.post26"},
                                            config={"triton_cache_dir": PACK + r"\.cache\triton"}), False,
-     [], [("warning", "CACHE_NON_ASCII"), ("info", "TRITON_OK")], "triton-fp8"),
+     [], [("warning", "CACHE_NON_ASCII"), ("info", "TRITON_OK")], "triton_fp8"),
     ("win-cache-not-writable-no-safe-place", win(cache_writable=False, installed={"triton-windows": "3.6.0.post26"},
                                                  cache_candidates=[{"path": "C:\\Users\\J\u00fcrgen\\x",
                                                                     "ascii": False, "writable": True},
@@ -260,12 +272,12 @@ SCENARIOS = [
      [], [("info", "NO_GPU"), ("info", "TRITON_OK")], "pytorch"),
     ("linux-cuda-torch2.9-sm90-ok", linux("2.9.1+cu128", "sm90", requires=TORCH29_LINUX_REQ,
                                           installed={"triton": "3.5.0"}), False,
-     [], [("info", "TRITON_OK")], "triton-fp8"),
+     [], [("info", "TRITON_OK")], "triton_fp8"),
     ("linux-cuda-torch2.9-sm86-missing", linux("2.9.1+cu128", "sm86", requires=TORCH29_LINUX_REQ), False,
-     [pip_install(LINUX, "triton==3.5.0")], [("info", "TRITON_MISSING")], "triton-fp16"),
+     [pip_install(LINUX, "triton==3.5.0")], [("info", "TRITON_MISSING")], "triton_fp16"),
     ("linux-cuda-torch2.9-wrong-triton", linux("2.9.1+cu128", "sm89", requires=TORCH29_LINUX_REQ,
                                                installed={"triton": "3.4.0"}), False,
-     [pip_install(LINUX, "triton==3.5.0")], [("warning", "TRITON_MISMATCH")], "triton-fp8"),
+     [pip_install(LINUX, "triton==3.5.0")], [("warning", "TRITON_MISMATCH")], "triton_fp8"),
     ("linux-cuda-torch2.9-sm75", linux("2.9.1+cu128", "sm75", requires=TORCH29_LINUX_REQ,
                                        installed={"triton": "3.5.0"}), False,
      [], [("error", "GPU_TURING_DROPPED"), ("info", "TRITON_OK")], "pytorch"),
@@ -273,7 +285,7 @@ SCENARIOS = [
                                           requires=['triton==3.2.0; platform_system == "Linux" and '
                                                     'platform_machine == "x86_64"'],
                                           installed={"triton": "3.2.0"}), False,
-     [], [("info", "TRITON_OK")], "triton-fp16"),
+     [], [("info", "TRITON_OK")], "triton_fp16"),
     ("linux-system-cuda-no-gpu", linux("2.9.1+cu128", None, kind="system", requires=TORCH29_LINUX_REQ,
                                        installed={"triton": "3.5.0"}, torch_cuda="12.8"), False,
      [], [("warning", "NO_GPU"), ("info", "TRITON_OK")], "pytorch"),
@@ -282,13 +294,20 @@ SCENARIOS = [
     ("linux-rocm-installed", linux("2.9.1+rocm6.4", None, requires=TORCH29_ROCM_REQ, torch_hip="6.4.43482",
                                    installed={"pytorch-triton-rocm": "3.5.0"}), False,
      [], [("info", "ROCM")], "pytorch"),
+    ("linux-rocm-mi300x", linux("2.9.1+rocm6.4", "gfx942", requires=TORCH29_ROCM_REQ, torch_hip="6.4.43482",
+                                installed={"pytorch-triton-rocm": "3.5.0"}), False,
+     [], [("info", "ROCM")], "pytorch"),
+    ("linux-bad-config-value", linux(installed={"triton": "3.9.0"}, config_problems=[
+        "triton_cache_dir in /home/me/ComfyUI/custom_nodes/comfyui-triton-accel/triton_accel.json is a number, not "
+        "a folder path"]), False,
+     [], [("info", "NO_GPU"), ("warning", "CONFIG_INVALID"), ("info", "TRITON_OK")], "pytorch"),
     ("linux-aarch64-requirement-marker-not-applying", linux(
         "2.9.1+cpu", requires=['triton==3.5.0; platform_system == "Linux" and platform_machine == "aarch64"']), False,
      [pip_install(LINUX, "triton")], [("info", "NO_GPU"), ("info", "TRITON_MISSING")], "pytorch"),
     ("linux-aarch64-requirement-marker-applies", linux(
         "2.9.1+cu129", "sm90", machine="aarch64", installed={"triton": "3.4.0"},
         requires=['triton==3.5.0; platform_system == "Linux" and platform_machine == "aarch64"']), False,
-     [pip_install(LINUX, "triton==3.5.0")], [("warning", "TRITON_MISMATCH")], "triton-fp8"),
+     [pip_install(LINUX, "triton==3.5.0")], [("warning", "TRITON_MISMATCH")], "triton_fp8"),
     ("linux-torch-missing", linux(torch_version=None), False, [], [("error", "TORCH_MISSING")], "pytorch"),
     ("macos", inst.Facts(os="darwin", python="/usr/bin/python3", torch_version="2.9.0"), False,
      [], [("info", "NO_TRITON_OS")], "pytorch"),
@@ -437,6 +456,17 @@ MESSAGES = [
      "and this torch is 2.7.0+cu126 (CUDA 12.6).",
      rf"Install a cu128 build of torch: {E} -s -m pip install -U torch torchvision torchaudio "
      "--index-url https://download.pytorch.org/whl/cu128"),
+    ("GPU_BLACKWELL_NEEDS_TRITON", linux("2.7.0+cu128", "sm100", requires=TORCH27_TRITON32_REQ,
+                                         installed={"triton": "3.2.0"}), "GPU_BLACKWELL_NEEDS_TRITON",
+     "NVIDIA B200 is sm_100 (Blackwell): it needs Triton 3.3 or newer, and torch 2.7.0+cu128 needs triton 3.2.",
+     "Install a torch build that pairs with Triton 3.3 or newer (2.7+, CUDA 12.8+): /home/me/ComfyUI/.venv/bin/python "
+     "-m pip install -U torch torchvision torchaudio --index-url https://download.pytorch.org/whl/cu128"),
+    ("CONFIG_INVALID", linux(config_problems=["triton_cache_dir in /p/triton_accel.json is an array, not a folder path"]),
+     "CONFIG_INVALID",
+     "triton_cache_dir in /p/triton_accel.json is an array, not a folder path: the pack ignores it and uses Triton's "
+     "default cache.",
+     "Correct or delete it (triton_cache_dir must be an absolute path of a writable folder); install.py rewrites "
+     "triton_accel.json when the default cache is unusable."),
     ("CUDA_MISMATCH", win(torch="2.7.1+cu118", cuda_driver="11.8"), "CUDA_MISMATCH",
      "CUDA version mismatch between torch and Triton: torch is built for CUDA 11.8 but triton-windows 3.3 compiles "
      "kernels with its bundled CUDA 12.8, which needs a driver for CUDA 12.8 or newer (this driver supports "
@@ -564,23 +594,26 @@ def test_every_code_has_a_message_test():
     source = open(inst.__file__, encoding="utf-8").read()
     codes = set(re.findall(r'(?:add|Finding)\(\s*"([A-Z_0-9]+)"', source))
     codes |= set(re.findall(r'\("(CACHE_[A-Z_]+)"', source))
+    # check_gpu() names its findings by gpu_rules' codes, one text per NVIDIA rule.
+    codes |= {inst.gpu_rules.GPU_TOO_OLD, inst.gpu_rules.TURING_DROPPED, inst.gpu_rules.BLACKWELL_TORCH,
+              inst.gpu_rules.BLACKWELL_TRITON}
     assert codes == {m[2] for m in MESSAGES}
 
 
 @pytest.mark.parametrize("check, facts, expected", [
     ({"mode": "gpu", "kernel_ok": True, "triton_version": "3.6.0"}, win(installed={"triton-windows": "3.6.0"}),
-     ("triton-fp8", "Triton works: the pack will use Triton attention (FP8) on NVIDIA GeForce RTX 4090 "
-                    "(NVIDIA GeForce RTX 4090 is sm_89 (FP8 needs sm_89+)).")),
+     ("triton_fp8", "Triton works on NVIDIA GeForce RTX 4090 (sm_89): in auto the pack uses Triton FP8 and Triton "
+                    "FP16/BF16 attention, each timed against PyTorch's per shape (the faster that agrees is kept).")),
     ({"mode": "gpu", "kernel_ok": True}, win(gpu="sm86", installed={"triton-windows": "3.6.0"}),
-     ("triton-fp16", "Triton works: the pack will use Triton attention (FP16/BF16) on NVIDIA GeForce RTX 3090 "
-                     "(NVIDIA GeForce RTX 3090 is sm_86 (FP16/BF16 kernels)).")),
+     ("triton_fp16", "Triton works on NVIDIA GeForce RTX 3090 (sm_86): in auto the pack uses Triton FP16/BF16 "
+                     "attention, each timed against PyTorch's per shape (the faster that agrees is kept).")),
     ({"mode": "gpu", "error": "import triton: ImportError: DLL load failed while importing libtriton"},
      win(installed={"triton-windows": "3.6.0"}),
      ("pytorch", "Triton is blocked (self-check: import triton: ImportError: DLL load failed while importing "
                  "libtriton). The pack still loads and uses PyTorch attention; fix the errors above to enable Triton.")),
     ({"mode": "gpu", "kernel_ok": True}, win(gpu="sm61", installed={"triton-windows": "3.6.0"}),
-     ("pytorch", "Triton is blocked (sm_61 is older than Triton supports). The pack still loads and uses PyTorch "
-                 "attention; fix the errors above to enable Triton.")),
+     ("pytorch", "Triton is blocked (NVIDIA GeForce GTX 1080 is sm_61: Triton needs sm_75 (RTX 20xx / GTX 16xx) "
+                 "or newer). The pack still loads and uses PyTorch attention; fix the errors above to enable Triton.")),
     (None, win(vcrt_python={"vcruntime140.dll": OLD_VC}, shadows=[r"C:\x\triton.py"]),
      ("pytorch", r"Triton is blocked (old VC++ runtime DLLs in the Python folder; C:\x\triton.py shadows triton). "
                  "The pack still loads and uses PyTorch attention; fix the errors above to enable Triton.")),
@@ -592,17 +625,32 @@ def test_every_code_has_a_message_test():
                  "import triton: ModuleNotFoundError: No module named 'triton'.")),
     (None, linux(), ("pytorch", "No NVIDIA GPU: the pack uses PyTorch attention. The Triton interpreter was not "
                                 "checked.")),
-    (None, win(), ("triton-fp8", "Nothing blocks Triton: the pack should use Triton attention (FP8) on NVIDIA GeForce "
-                                 "RTX 4090 (NVIDIA GeForce RTX 4090 is sm_89 (FP8 needs sm_89+)); not verified, the "
-                                 "self-check did not run.")),
+    (None, win(), ("triton_fp8", "Nothing blocks Triton on NVIDIA GeForce RTX 4090 (sm_89): in auto the pack should "
+                                 "use Triton FP8 and Triton FP16/BF16 attention, each timed against PyTorch's per shape "
+                                 "(the faster that agrees is kept); not verified, the self-check did not run.")),
     (None, win(python_h=False, include_minor=None),
      ("pytorch", "Triton is blocked (Python.h is missing or wrong). The pack still loads and uses PyTorch attention; "
                  "fix the errors above to enable Triton.")),
     (None, win(include_minor=11, python_lib=None),
      ("pytorch", "Triton is blocked (Python.h and python312.lib are missing or wrong). The pack still loads and uses "
                  "PyTorch attention; fix the errors above to enable Triton.")),
+    # A CPU-only machine with a shadowing triton.py: still the no-GPU sentence (decided by the NO_GPU
+    # code, not by path_reason's text, which now also names the shadow).
+    ({"mode": "interpreter", "error": "import triton: ModuleNotFoundError: No module named 'triton.language'; "
+                                      "'triton' is not a package"},
+     linux(installed={"triton": "3.9.0"}, shadows=["/home/me/ComfyUI/triton.py"]),
+     ("pytorch", "No NVIDIA GPU: the pack uses PyTorch attention. The Triton interpreter does not work here either: "
+                 "import triton: ModuleNotFoundError: No module named 'triton.language'; 'triton' is not a package.")),
+    (None, linux(shadows=["/home/me/ComfyUI/triton.py"]),
+     ("pytorch", "No NVIDIA GPU: the pack uses PyTorch attention. The Triton interpreter was not checked.")),
+    ({"mode": "interpreter", "kernel_ok": True},
+     linux("2.9.1+rocm6.4", "gfx942", requires=TORCH29_ROCM_REQ, torch_hip="6.4.43482",
+           installed={"pytorch-triton-rocm": "3.5.0"}),
+     ("pytorch", "AMD GPU (AMD Instinct MI300X): in auto the pack uses PyTorch attention; its Triton kernels are not "
+                 "validated on AMD GPUs yet (fp16 in the Settings node tries them).")),
 ], ids=["fp8", "fp16", "dll-load-failed", "sm61", "blocked-unchecked", "cpu-interpreter", "cpu-no-triton",
-        "cpu-unchecked", "fp8-unchecked", "no-python-h", "wrong-include-no-lib"])
+        "cpu-unchecked", "fp8-unchecked", "no-python-h", "wrong-include-no-lib", "cpu-shadowed-triton",
+        "cpu-shadowed-unchecked", "amd"])
 def test_verdict(check, facts, expected):
     v = inst.verdict(inst.plan(facts), facts, check)
     assert (v["path"], v["message"]) == expected
@@ -615,3 +663,31 @@ def test_cuda_mismatch_with_the_12_4_bundle():
     [x] = [x for x in inst.plan(f).findings if x.code == "CUDA_MISMATCH"]
     assert x.severity == "error"
     assert x.fix == "Update the NVIDIA driver (550 or newer for CUDA 12.4), or install a cu124 build of torch."
+
+
+@pytest.mark.parametrize("facts, code", [
+    (win(gpu="sm61"), "GPU_TOO_OLD"),
+    (win(torch="2.7.1+cu128", gpu="sm75"), "GPU_TURING_DROPPED"),
+    (win(torch="2.7.0+cu126", gpu="sm120"), "GPU_NEEDS_CU128"),
+    (linux("2.7.0+cu128", "sm100", requires=TORCH27_TRITON32_REQ, installed={"triton": "3.2.0"}),
+     "GPU_BLACKWELL_NEEDS_TRITON"),
+], ids=["sm61", "sm75-triton3.3", "sm120-cu126", "sm100-triton3.2"])
+def test_gpu_blocker_reason_is_the_rule_reason(facts, code):
+    """path_reason of a GPU blocker is gpu_rules' reason word for word (the Settings node shows it)."""
+    gpu = facts.gpus[0]
+    triton = inst.expected_triton(facts, inst.plan(facts).target)
+    rule = inst.gpu_rules.nvidia_gpu_blocker(gpu["name"], tuple(gpu["capability"]), triton, facts.torch_version,
+                                             facts.torch_cuda)
+    p = inst.plan(facts)
+    assert rule.code == code
+    assert p.path_reason == rule.reason
+    assert [(b.code, b.reason) for b in p.blockers] == [(rule.code, rule.reason)]
+
+
+def test_amd_reason_is_select_paths():
+    f = linux("2.9.1+rocm6.4", "gfx942", requires=TORCH29_ROCM_REQ, torch_hip="6.4.43482",
+              installed={"pytorch-triton-rocm": "3.5.0"})
+    p = inst.plan(f)
+    assert [b.code for b in p.blockers] == ["AMD_NOT_VALIDATED"]
+    assert p.path_reason == ("PyTorch attention: our kernels are not validated on AMD GPUs yet (AMD Instinct MI300X "
+                             "(gfx942)); choose fp16 to try them")

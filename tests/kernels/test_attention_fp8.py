@@ -23,6 +23,7 @@ fp8 = importlib.import_module("triton_accel.kernels.attention_fp8")
 pytestmark = pytest.mark.filterwarnings("error:Conversion of an array with ndim > 0:DeprecationWarning")
 device_mod = importlib.import_module("triton_accel.kernels.device")
 registry_mod = importlib.import_module("triton_accel.kernels.registry")
+checks = importlib.import_module("triton_accel.kernels.attention_checks")
 
 # rel L2 of kernel vs emulation: P rounded to the input dtype before P.V (fp16: 2**-11;
 # bf16 runs fp32 in the interpreter) and fp16 storage of the 16-bit outlier channels.
@@ -215,34 +216,39 @@ def test_empty_and_keyless():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (lambda q, k, v: (q.float(), k.float(), v.float(), None), "float16 or bfloat16"),
-    (lambda q, k, v: (q, k.float(), v, None), "float16 or bfloat16"),
+    (lambda q, k, v: (q.float(), k.float(), v.float(), None), "bfloat16 or float16"),
+    (lambda q, k, v: (q, k.float(), v, None), "dtypes differ"),
     (lambda q, k, v: (q[0], k, v, None), r"\[B, H, L, D\]"),
-    (lambda q, k, v: (q, k[..., :32], v, None), "same head dim"),
+    (lambda q, k, v: (q, k[..., :32], v, None), "k head dim 32 != q head dim 64"),
     (lambda q, k, v: (q, torch.randn(1, 3, 8, 64).half(), torch.randn(1, 3, 8, 64).half(), None), "multiple"),
     (lambda q, k, v: (q, k, v, torch.ones(3, 5, dtype=torch.bool)), "broadcast"),
     (lambda q, k, v: (q, k, v, torch.ones(4, 8, dtype=torch.int32)), "bool or floating"),
-    (lambda q, k, v: (torch.randn(1, 4, 4, 300).half(), torch.randn(1, 4, 8, 300).half(),
-                      torch.randn(1, 4, 8, 300).half(), None), "outside 1..256"),
+    (lambda q, k, v: (q, k, v[..., :32], None), "v head dim"),
+    (lambda q, k, v: ([1.0], k, v, None), "q must be a"),
+    (lambda q, k, v: (q, k, v, [[True]]), "attn_mask must be a tensor"),
 ])
 def test_input_errors(bad, match):
     q, k, v = torch.randn(1, 4, 4, 64).half(), torch.randn(1, 2, 8, 64).half(), torch.randn(1, 2, 8, 64).half()
     q, k, v, m = bad(q, k, v)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(checks.AttentionInputError, match=match) as e:
         fp8.attention_fp8(q, k, v, attn_mask=m)
+    assert e.value.reason and e.value.op == "attention_fp8"
 
 
-@pytest.mark.parametrize("cap, ok", [((7, 5), False), ((8, 0), False), ((8, 6), False), ((8, 7), False),
-                                     ((8, 9), True), ((9, 0), True), ((10, 0), True), ((12, 0), True),
-                                     (None, False)])
-def test_fp8_supported(cap, ok):
-    got, reason = fp8.fp8_supported(cap)
-    assert got is ok
-    if ok:
-        assert reason == "ok"
-    elif cap is not None:
-        assert reason.startswith("FP8 attention needs compute capability 8.9+ (RTX 40xx / H100 or newer)")
-        assert reason.endswith(f"is sm_{cap[0]}{cap[1]}")
+def test_head_dim_over_256_is_a_refusal_not_an_input_error():
+    q = torch.randn(1, 4, 4, 300).half()
+    with pytest.raises(fp8.FP8UnsupportedError, match="outside 1..256") as e:
+        fp8.attention_fp8(q, q, q)
+    assert "outside 1..256" in e.value.reason
+
+
+def test_negative_scale_over_several_key_tiles():
+    """The running max must be that of the scaled scores (issue 10.1): 272 keys, no mask."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, n, 64, generator=gen).half() for n in (16, 272, 272))
+    out = fp8.attention_fp8(q, k, v, scale=-0.5)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, fp8.attention_fp8_emulated(q, k, v, scale=-0.5)) <= 5e-3
 
 
 @pytest.mark.parametrize("cap, name", [((8, 6), "NVIDIA GeForce RTX 3090"), ((8, 0), "NVIDIA A100-SXM4-80GB"),
@@ -252,8 +258,9 @@ def test_launcher_refuses_old_gpus(monkeypatch, cap, name):
     monkeypatch.setattr(fp8._device, "describe", lambda device=None: info)
     with pytest.raises(fp8.FP8UnsupportedError) as e:
         fp8._check_device(torch.device("cuda", 0))
-    assert str(e.value) == (f"FP8 attention needs compute capability 8.9+ (RTX 40xx / H100 or newer); "
-                            f"{name} is sm_{cap[0]}{cap[1]}")
+    # The words are gpu_rules.py's, the same the Settings node and the registry show.
+    assert e.value.reason == f"FP8 tensor cores need sm_89+ ({name} is sm_{cap[0]}{cap[1]})"
+    assert isinstance(e.value, registry_mod.BackendUnavailableError) and e.value.backend == "triton_fp8"
 
 
 def test_launcher_refuses_amd(monkeypatch):
@@ -270,9 +277,9 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("arch, family", [("sm89", "sm89"), ("sm90", "sm90"), ("sm100", "sm90"),
-                                          ("sm120", "sm89"), ("sm121", "sm89")])
+                                          ("sm120", "sm89"), ("sm121", "sm89"), ("sm86", "default")])
 def test_config_tables(arch, family):
-    assert fp8.arch_family(arch) == family
+    assert fp8.FP8_ATTENTION_CONFIGS[fp8.config_family(arch)] is fp8.FP8_ATTENTION_CONFIGS[family]
     for cls in ("d64", "d128", "d256"):
         cfg = fp8.FP8_ATTENTION_CONFIGS[family][cls]
         assert {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} <= set(cfg)
@@ -281,7 +288,7 @@ def test_config_tables(arch, family):
 
 def _call(device, dtype=torch.float16, head_dim=64):
     return registry_mod.Call(device=device, dtype=dtype, head_dim=head_dim, head_dim_v=head_dim, q_heads=24,
-                             kv_heads=8, mask="bool", mask_dtype=torch.bool, is_causal=False)
+                             kv_heads=8, mask="bool", is_causal=False)
 
 
 def test_registry_constraints():
@@ -294,7 +301,7 @@ def test_registry_constraints():
     assert c.check(_call(ada)) is None
     assert c.check(_call(ada, torch.bfloat16, 256)) is None
     assert c.check(_call(cpu)) is None  # interpreter on (conftest)
-    assert "8.6 < required 8.9" in c.check(_call(ampere))
+    assert c.check(_call(ampere)) == "FP8 tensor cores need sm_89+ (NVIDIA GeForce RTX 3090 is sm_86)"
     assert "vendor" in c.check(_call(amd))
     assert "dtype" in c.check(_call(ada, torch.float32))
     assert "head dim" in c.check(_call(ada, head_dim=257))

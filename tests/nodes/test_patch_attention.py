@@ -202,7 +202,7 @@ def test_adapt_call_refuses_heads_that_do_not_divide():
 
 
 def test_forced_fp8_runs_the_fp8_kernel_and_fp32_calls_take_fp16():
-    from triton_accel.nodes.path_choice import PATH_TRITON_FP8, PATH_TRITON_FP16, Decision
+    from triton_accel.kernels.gpu_rules import PATH_TRITON_FP8, PATH_TRITON_FP16, Decision
 
     class FP8Settings(AccelSettings):
         def decision_for(self, device):

@@ -1,9 +1,12 @@
-"""The path each device gets, over a table of real cards x Triton versions."""
+"""The path each device gets, over a table of real cards x Triton versions (kernels/gpu_rules.py,
+what the Settings node decides with)."""
 import pytest
 
-from triton_accel.nodes.path_choice import (
-    PATH_PYTORCH, PATH_TRITON_FP16, PATH_TRITON_FP8, PATH_TRITON_INT8, DeviceFacts, select_path,
+from triton_accel.kernels.gpu_rules import (
+    PATH_PYTORCH, PATH_TRITON_FP16, PATH_TRITON_FP8, Facts as DeviceFacts, select_path,
 )
+
+BOTH = frozenset({PATH_TRITON_FP16, PATH_TRITON_FP8})
 
 CARDS = {
     "sm_61": ("NVIDIA GeForce GTX 1080 Ti", (6, 1)),
@@ -37,17 +40,23 @@ TABLE = [
     ("sm_80", nvidia("sm_80"), "auto", PATH_TRITON_FP16, ["sm_80"], True),
     ("sm_86", nvidia("sm_86", "3.5.1"), "auto", PATH_TRITON_FP16, ["RTX 3090", "sm_86"], True),
     ("sm_86-fp8-asked", nvidia("sm_86"), "fp8", PATH_TRITON_FP16, ["no FP8 tensor cores", "sm_89"], False),
-    ("sm_89-auto-no-fp8-kernel", nvidia("sm_89"), "auto", PATH_TRITON_FP16, ["FP8 attention is not in this release"], True),
-    ("sm_89-fp8-asked-no-kernel", nvidia("sm_89"), "fp8", PATH_TRITON_FP16, ["no FP8 attention kernel"], False),
-    ("sm_89-auto-fp8-kernel", nvidia("sm_89", implemented=frozenset({PATH_TRITON_FP16, PATH_TRITON_FP8})), "auto",
-     PATH_TRITON_FP8, ["FP8"], True),
-    ("sm_86-auto-int8-kernel", nvidia("sm_86", implemented=frozenset({PATH_TRITON_FP16, PATH_TRITON_INT8})), "auto",
-     PATH_TRITON_INT8, ["INT8"], True),
+    ("sm_89-auto-fp8-unavailable", nvidia("sm_89"), "auto", PATH_TRITON_FP16, ["FP16/BF16", "timed"], True),
+    ("sm_89-fp8-asked-unavailable", nvidia("sm_89"), "fp8", PATH_TRITON_FP16, ["FP8 kernel cannot run here"], False),
+    ("sm_89-auto-fp8-kernel", nvidia("sm_89", implemented=BOTH), "auto", PATH_TRITON_FP8, ["FP8", "timed"], True),
+    ("sm_86-auto-both-kernels", nvidia("sm_86", implemented=BOTH), "auto", PATH_TRITON_FP16, ["sm_86"], True),
     ("sm_90", nvidia("sm_90"), "auto", PATH_TRITON_FP16, ["H200", "sm_90"], True),
     ("sm_90-fp16", nvidia("sm_90"), "fp16", PATH_TRITON_FP16, ["forced"], False),
     ("sm_100", nvidia("sm_100"), "auto", PATH_TRITON_FP16, ["sm_100"], True),
     ("sm_120-triton-3.6", nvidia("sm_120", "3.6.0"), "auto", PATH_TRITON_FP16, ["sm_120"], True),
     ("sm_120-triton-3.2", nvidia("sm_120", "3.2.0"), "auto", PATH_PYTORCH, ["Blackwell", "3.3"], False),
+    # Datacenter Blackwell has the same Triton floor (install.py and the nodes once disagreed here).
+    ("sm_100-triton-3.2", nvidia("sm_100", "3.2.0", implemented=BOTH), "auto", PATH_PYTORCH, ["Blackwell", "3.3"], False),
+    ("sm_120-torch-2.6", nvidia("sm_120", torch_version="2.6.0", torch_cuda="12.4"), "auto", PATH_PYTORCH,
+     ["Blackwell", "CUDA 12.8"], False),
+    ("sm_120-torch-2.7-cu126", nvidia("sm_120", torch_version="2.7.1", torch_cuda="12.6"), "auto", PATH_PYTORCH,
+     ["CUDA 12.8"], False),
+    ("sm_120-torch-2.7-cu128", nvidia("sm_120", torch_version="2.7.1", torch_cuda="12.8"), "auto",
+     PATH_TRITON_FP16, ["sm_120"], True),
     ("no-triton", nvidia("sm_89", None), "auto", PATH_PYTORCH, ["not installed", "install.py"], False),
     ("broken-triton", nvidia("sm_89", "3.5.0", triton_error="Triton failed to run a test kernel: DLL load failed"),
      "auto", PATH_PYTORCH, ["DLL load failed"], False),
@@ -92,3 +101,27 @@ def test_candidates_fall_back_from_quantised_to_fp16():
     assert select_path(fp8, "fp8").candidates == (PATH_TRITON_FP8, PATH_TRITON_FP16)
     assert select_path(fp8, "fp16").candidates == (PATH_TRITON_FP16,)
     assert select_path(nvidia("sm_61"), "auto").candidates == ()
+
+
+@pytest.mark.parametrize("facts, mode, overridden", [
+    pytest.param(nvidia("sm_86"), "fp8", True, id="fp8-on-ampere"),
+    pytest.param(nvidia("sm_61"), "fp16", True, id="fp16-on-pascal"),
+    pytest.param(nvidia("sm_89", implemented=BOTH), "fp8", False, id="fp8-on-ada"),
+    pytest.param(nvidia("sm_61"), "auto", False, id="auto-never-overrides"),
+])
+def test_forced_mode_says_it_was_overridden(facts, mode, overridden):
+    decision = select_path(facts, mode)
+    assert decision.overridden == overridden
+    if overridden:
+        assert f"{mode} asked" in decision.reason, decision.reason
+
+
+def test_blocked_decisions_carry_the_rule_code():
+    from triton_accel.kernels import gpu_rules
+
+    assert select_path(nvidia("sm_61")).code == gpu_rules.GPU_TOO_OLD
+    assert select_path(nvidia("sm_75", "3.3.1")).code == gpu_rules.TURING_DROPPED
+    assert select_path(nvidia("sm_120", "3.2.0")).code == gpu_rules.BLACKWELL_TRITON
+    assert select_path(CPU).code == gpu_rules.NO_GPU
+    assert select_path(AMD).code == gpu_rules.AMD_NOT_VALIDATED
+    assert select_path(nvidia("sm_89", None)).code == gpu_rules.TRITON_MISSING

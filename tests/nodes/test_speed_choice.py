@@ -1,9 +1,14 @@
 """auto mode's measured choice: the faster of two equal functions, remembered on disk."""
 import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
-from triton_accel.nodes.path_choice import PATH_TRITON_FP16 as OURS
+from triton_accel.kernels.gpu_rules import PATH_TRITON_FP16 as OURS
 from triton_accel.nodes.speed_choice import ORIGINAL, SpeedChoice, shape_class
 
 
@@ -84,3 +89,96 @@ def test_fastest_agreeing_candidate_wins_among_several(tmp_path):
     ours, original = make(1.0)
     choice, out = sc.choose("k", cands(ours, original, fp8=fp8, lossy=lossy), torch.device("cpu"))
     assert choice == "fp8" and torch.equal(out, fp8())
+
+
+# Cache files that used to raise from inside the sampler's attention call (AttributeError,
+# TypeError from known()/choose()) or were reset without a word.
+BAD_CACHES = {
+    "truncated": '{"version": 1, "entries": {"k": {"choice": "original"',
+    "empty": "",
+    "binary": "\x00\xff\xfe\x80garbage",
+    "list": "[1, 2]",
+    "number": "5",
+    "entries_list": '{"version": 1, "entries": []}',
+    "entries_null": '{"version": 1, "entries": null}',
+    "string_entry": '{"version": 1, "entries": {"k": "triton_fp16"}}',
+    "entry_without_choice": '{"version": 1, "entries": {"k": {"timings": {}}}}',
+    "choice_not_a_string": '{"version": 1, "entries": {"k": {"choice": 3}}}',
+}
+
+
+def _warnings_naming(caplog, path):
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and str(path) in r.getMessage()]
+
+
+@pytest.mark.parametrize("case", list(BAD_CACHES))
+def test_wrong_shaped_cache_is_measured_again_and_rebuilt_with_one_warning(tmp_path, caplog, case):
+    cache = tmp_path / "s.json"
+    cache.write_bytes(BAD_CACHES[case].encode("latin-1"))
+    sc = SpeedChoice(cache, timer=fake_timer({"ours": 1.0, "original": 2.0}))
+    assert sc.known("k") is None
+    ours, original = make(1.0)
+    assert sc.choose("k", cands(ours, original), torch.device("cpu"))[0] == OURS
+    assert sc.choose("k2", cands(ours, original), torch.device("cpu"))[0] == OURS
+    saved = json.loads(cache.read_text())
+    assert saved["version"] == 1 and set(saved["entries"]) == {"k", "k2"}
+    assert SpeedChoice(cache).known("k") == OURS
+    assert len(_warnings_naming(caplog, cache)) == 1
+
+
+def test_directory_in_place_of_the_cache_measures_once_and_leaves_no_temp_file(tmp_path, caplog):
+    cache = tmp_path / "s.json"
+    cache.mkdir()
+    calls = []
+
+    def timer(fn, device):
+        calls.append(fn.__name__)
+        return {"ours": 1.0, "original": 2.0}[fn.__name__], fn()
+
+    sc = SpeedChoice(cache, timer=timer)
+    ours, original = make(1.0)
+    for _ in range(3):
+        assert sc.choose("k", cands(ours, original), torch.device("cpu"))[0] == OURS
+    assert sc.known("k") == OURS
+    assert len(calls) == 2  # measured once, remembered in memory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]
+    assert len(_warnings_naming(caplog, cache)) == 1
+
+
+# Loads nodes/speed_choice.py with its real JsonCache, without the pack's __init__ files (no
+# ComfyUI, no Triton), waits for its partner, and records WRITES shape classes.
+WORKER = r"""
+import importlib, os, sys, time, types
+root, me, other, path, n = sys.argv[1:]
+for name, folder in (("triton_accel", root), ("triton_accel.kernels", os.path.join(root, "kernels")),
+                     ("triton_accel.nodes", os.path.join(root, "nodes"))):
+    pkg = types.ModuleType(name)
+    pkg.__path__ = [folder]
+    sys.modules[name] = pkg
+import torch
+speed = importlib.import_module("triton_accel.nodes.speed_choice")
+sc = speed.SpeedChoice(path, timer=lambda fn, device: (1.0, fn()))
+candidates = {speed.ORIGINAL: lambda: torch.ones(4), "triton_fp16": lambda: torch.ones(4)}
+open(path + ".ready-" + me, "w").close()
+while not os.path.exists(path + ".ready-" + other):
+    time.sleep(0.001)
+for i in range(int(n)):
+    sc.choose(me + "-" + str(i), candidates, torch.device("cpu"))
+"""
+TRIALS = 2
+WRITES = 20
+
+
+def test_two_processes_measuring_at_once_lose_no_entry(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    lost = []
+    for trial in range(TRIALS):
+        path = tmp_path / f"speed{trial}.json"
+        procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(root), me, other, str(path), str(WRITES)],
+                                  stderr=subprocess.PIPE, text=True)
+                 for me, other in (("a", "b"), ("b", "a"))]
+        for p in procs:
+            _, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err
+        lost.append(2 * WRITES - len(json.loads(path.read_text())["entries"]))
+    assert lost == [0] * TRIALS

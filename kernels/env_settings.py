@@ -1,0 +1,89 @@
+"""Every environment variable the pack reads, read here and only here.
+
+One meaning of "off" for every switch: unset means the documented default; a value that is
+empty, "0", "false", "no" or "off" (any case, surrounding spaces ignored) means off; any other
+value means on. Before this module the pack had two lists of false words ("no" turned
+autotuning on but not fast launches off), so the same setting meant different things in
+different files.
+
+TRITON_INTERPRET belongs to Triton, not to us: Triton decides whether its interpreter runs,
+so `interpreter_enabled()` copies Triton's own reading of it rather than ours.
+
+Stdlib only, and no relative imports: install.py (which must not import the pack as a
+package) may load this file by path. docs/settings.md lists every variable below; a test
+keeps the two in step and fails when shipped code reads one of these variables elsewhere.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+FALSE_WORDS = frozenset({"", "0", "false", "no", "off"})
+# Triton >= 3.4 (triton.knobs -> getenv_bool) takes these, case-insensitive, not stripped;
+# Triton <= 3.3 took only "1", which is why the docs say to set it to 1.
+INTERPRET_TRUE_WORDS = frozenset({"1", "true", "on", "yes"})
+
+AUTOTUNE = "TRITON_ACCEL_AUTOTUNE"
+FAST_LAUNCH = "TRITON_ACCEL_FAST_LAUNCH"
+CACHE_DIR = "TRITON_ACCEL_CACHE_DIR"
+TRITON_INTERPRET = "TRITON_INTERPRET"
+XDG_CACHE_HOME = "XDG_CACHE_HOME"
+
+
+class Setting(NamedTuple):  # not a dataclass: those fail to load by path unless put in sys.modules first
+    name: str
+    default: str  # as a user reads it in docs/settings.md
+    meaning: str
+
+
+SETTINGS = (
+    Setting(AUTOTUNE, "off",
+            "Time every candidate kernel config the first time a shape class is seen on this "
+            "GPU and keep the fastest (stored in the tuning cache). Off: the tuned table."),
+    Setting(FAST_LAUNCH, "on",
+            "Launch already compiled kernels directly, skipping Triton's per-call argument "
+            "binding (verified bit for bit against the normal launch first). Off: always the "
+            "normal Triton launch."),
+    Setting(CACHE_DIR, "unset",
+            "Folder of the pack's two caches, tuning-v1.json and attention_speed.json. Unset: "
+            "the tuning cache lives in $XDG_CACHE_HOME/triton_accel (else ~/.cache/triton_accel), "
+            "the speed cache in ComfyUI's user folder, user/triton_accel (else ~/.cache/triton_accel)."),
+)
+
+
+def flag(name: str, default: bool) -> bool:
+    """A switch: `default` when unset, off for FALSE_WORDS, on for anything else."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in FALSE_WORDS
+
+
+def text(name: str) -> str | None:
+    """A free-text setting: None when unset or blank."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def autotune_enabled() -> bool:
+    return flag(AUTOTUNE, False)
+
+
+def fast_launch_enabled() -> bool:
+    return flag(FAST_LAUNCH, True)
+
+
+def cache_dir() -> str | None:
+    """TRITON_ACCEL_CACHE_DIR, or None: each cache then picks its own default folder."""
+    return text(CACHE_DIR)
+
+
+def user_cache_root() -> str:
+    """The per-user cache folder of the pack when TRITON_ACCEL_CACHE_DIR is unset."""
+    base = text(XDG_CACHE_HOME) or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "triton_accel")
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter in this process (Triton's reading)."""
+    return os.environ.get(TRITON_INTERPRET, "0").lower() in INTERPRET_TRUE_WORDS

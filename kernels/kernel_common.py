@@ -1,0 +1,216 @@
+"""What every attention kernel file shares: constants, jit helpers, padding, the arch family,
+the mask layout handed to a kernel, the out-of-resources test, shape classes and the
+interpreter's bf16 upcast.
+
+Each kernel file keeps its own config tables (per arch family) and kernel; the facts here
+are the ones that must agree between them: the same GPU maps to the same family, a mask is
+read through the same strides, a config that does not fit is recognised the same way.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from . import cache_registry
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.errors import OutOfResources
+except Exception:  # the registry reports why; importing the pack must still work
+    triton = None
+    tl = None
+    OutOfResources = None
+
+LOG2E = 1.4426950408889634  # scores are scaled by scale*log2(e) so the kernels use exp2
+
+# Mask kinds, a constexpr of every kernel that reads masks.
+MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
+MASK_NAMES = {MASK_NONE: "none", MASK_BOOL: "bool", MASK_ADDITIVE: "add"}
+
+
+# ---- sizes and layouts ----------------------------------------------------------------------
+
+def next_pow2(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= n and >= minimum: tile extents (16 is the smallest MMA dim)."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def row_alignment(*tensors) -> int:
+    """Largest power of two (<= 16 elements) dividing every row/head/batch stride, or 1 when a
+    last dim is strided: the divisibility the kernels may promise Triton for row offsets."""
+    if any(t.stride(-1) != 1 for t in tensors):
+        return 1
+    g = 0
+    for t in tensors:
+        for st in t.stride()[:-1]:
+            g = _gcd(g, st)
+    align = min(16, g & -g) if g else 16
+    return align if align >= 2 else 1
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def dot_input_precision(fp32: bool, hip: bool) -> str:
+    # fp32 inputs keep fp32 accuracy ("ieee"), as SDPA gives; 16-bit inputs ignore the
+    # setting on NVIDIA, but AMD's Triton rejects "tf32" outright.
+    return "ieee" if fp32 or hip else "tf32"
+
+
+def mask_layout(attn_mask, B: int, H: int, Lq: int, Lk: int, placeholder: torch.Tensor):
+    """(kind, tensor, strides, row_broadcast) of a mask as the kernels read it.
+
+    The mask is expanded to [B, H, Lq, Lk] as a stride-0 view (never materialised); bool
+    masks are reinterpreted as uint8. Without a mask the placeholder stands in for the pointer.
+    A row-broadcast mask ([B, 1, 1, Lk], the usual padding mask) has a zero query stride, so
+    the kernels read it as one vector per key tile.
+    """
+    if attn_mask is None:
+        return MASK_NONE, placeholder, (0, 0, 0, 0), False
+    mk = attn_mask.expand(B, H, Lq, Lk)
+    if mk.dtype == torch.bool:
+        kind, mk = MASK_BOOL, mk.view(torch.uint8)
+    else:
+        kind = MASK_ADDITIVE
+    strides = mk.stride()
+    return kind, mk, strides, strides[2] == 0
+
+
+# ---- GPUs -----------------------------------------------------------------------------------
+
+FAMILIES = frozenset({"sm75", "sm80", "sm86", "sm89", "sm90", "sm120", "hip", "default"})
+
+
+def arch_family(arch: str) -> str:
+    """The config family of a device arch ("sm90", "gfx942"...): one of sm75, sm80, sm86, sm89,
+    sm90, sm120, hip, default. Datacenter Blackwell (sm_100/sm_110) runs Hopper-sized tiles;
+    consumer Blackwell (sm_12x) has Ada's ~100 KB of shared memory. Eligibility (which GPU may
+    run a kernel at all) is gpu_rules.py's, never decided here."""
+    if arch in FAMILIES:  # already a family name (the compile tests pass those)
+        return arch
+    if arch.startswith("gfx"):
+        return "hip"
+    if not arch.startswith("sm"):
+        return "default"
+    try:
+        major, minor = int(arch[2:-1] or 0), int(arch[-1])
+    except ValueError:
+        return "default"
+    if major >= 12:
+        return "sm120"
+    if major >= 9:
+        return "sm90"
+    if major == 8:
+        return {0: "sm80", 9: "sm89"}.get(minor, "sm86")
+    return "sm75" if arch == "sm75" else "default"
+
+
+# A family a table has no entry for takes the next one here (smaller shared memory first).
+FAMILY_FALLBACK = {"sm120": "sm89", "sm89": "sm86", "sm86": "default", "sm80": "default", "sm90": "default",
+                   "sm75": "default", "hip": "default"}
+
+
+def family_in(table: dict, family: str) -> str:
+    """The key of `table` that serves `family`: itself, else its fallbacks, else "default"."""
+    while family not in table and family in FAMILY_FALLBACK:
+        family = FAMILY_FALLBACK[family]
+    return family
+
+
+@lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+cache_registry.register("kernels.kernel_common.sm_count", sm_count.cache_clear)
+
+
+def is_out_of_resources(exc: BaseException) -> bool:
+    """A launch that needs more shared memory (or threads, tensor memory) than the GPU has.
+
+    Every supported Triton (3.2-3.9) raises triton.runtime.errors.OutOfResources for it when
+    the kernel is loaded, so the type decides; no message text is matched.
+    """
+    return OutOfResources is not None and isinstance(exc, OutOfResources)
+
+
+def is_hip() -> bool:
+    return bool(getattr(torch.version, "hip", None))
+
+
+# ---- calls ----------------------------------------------------------------------------------
+
+def shape_class(dtype: torch.dtype, head_dim: int, kv_len: int, mask_kind: str, is_causal: bool,
+                gqa: bool | None = None) -> tuple:
+    """The tuning cache's key for a call: (dtype, head dim, [gqa,] mask, causal, key-length
+    bucket). Key lengths are bucketed to powers of two (capped at 65536) so one tuned config
+    serves a resolution's neighbours."""
+    lk_class = min(1 << max(0, (kv_len - 1).bit_length()), 1 << 16)
+    head = (str(dtype).replace("torch.", ""), head_dim)
+    return head + ((bool(gqa),) if gqa is not None else ()) + (mask_kind, bool(is_causal), lk_class)
+
+
+def interpreter_upcast(q, k, v, attn_mask):
+    """fp32 copies of bf16 inputs for the Triton interpreter, or None when not needed.
+
+    The interpreter's bf16 dots are wrong (numpy has no bf16), so bf16 calls run in fp32
+    there and the caller casts the result back. Only the CPU interpreter pays this copy;
+    GPUs run bf16 natively.
+    """
+    if q.dtype != torch.bfloat16:
+        return None
+    m = attn_mask.float() if attn_mask is not None and attn_mask.dtype == torch.bfloat16 else attn_mask
+    return q.float(), k.float(), v.float(), m
+
+
+# ---- jit helpers ----------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def load_2d(ptrs, rows, row_limit, cols, col_limit, ROW_CHECK: tl.constexpr, COL_CHECK: tl.constexpr):
+        # Bounds checks only where a tile can cross an edge; zeros fill what is outside.
+        if ROW_CHECK and COL_CHECK:
+            x = tl.load(ptrs, mask=(rows[:, None] < row_limit) & (cols[None, :] < col_limit), other=0.0)
+        elif ROW_CHECK:
+            x = tl.load(ptrs, mask=rows[:, None] < row_limit, other=0.0)
+        elif COL_CHECK:
+            x = tl.load(ptrs, mask=cols[None, :] < col_limit, other=0.0)
+        else:
+            x = tl.load(ptrs)
+        return x
+
+    @triton.jit
+    def row_offsets(idx, stride, ALIGN: tl.constexpr):
+        # Triton learns only divisibility by 16 from a launch; head dim 40 gives row strides
+        # of 40 elements, still 16-byte aligned. Saying so restores 16-byte vector loads and
+        # cp.async pipelining (a hint on the scalar stride argument is not propagated).
+        off = idx * stride
+        if ALIGN > 1:
+            off = tl.multiple_of(off, ALIGN)
+        return off
+
+
+# ---- where the FP8 kernels may run ------------------------------------------------------------
+
+def fp8_device_refusal(device: torch.device, what: str) -> str | None:
+    """Why an FP8 kernel (`what`: "FP8 attention", "FP8 Linear") cannot run on this device, or
+    None. CPU tensors only through the interpreter (tests). The capability rule is gpu_rules';
+    AMD is refused because its FP8 is another e4m3 flavour (fnuz) our kernels do not emit."""
+    from . import device as _device
+    from .gpu_rules import capability_refusal
+
+    if triton is None:
+        return f"{what} needs Triton: {_device.triton_import_error()}"
+    if device.type == "cpu":
+        return None if _device.interpreter_enabled() else f"{what} on CPU tensors needs TRITON_INTERPRET=1 (tests only)"
+    info = _device.describe(device)
+    if info.vendor != "nvidia":
+        return f"{what} supports NVIDIA GPUs only; {info.name} is {info.arch}"
+    rule = capability_refusal(info.vendor, info.capability, info.name, fp8=True)
+    return rule.reason if rule is not None else None

@@ -1,0 +1,413 @@
+"""FP8 W8A8 Linear (y = x @ W.T + b) in Triton: weight and activation quantisation, the
+persistent GEMM, its configs per arch and the launcher.
+
+Numerics:
+- weights: float8 e4m3 with one scale per output channel (amax / 448), quantised once per
+  layer (`quantize_weight`), or taken as they come from an FP8 checkpoint (already e4m3 with
+  a per-tensor or per-channel scale);
+- activations: one scale per token (row), computed by a small kernel that reads the bf16 row
+  once and writes e4m3 plus the scale. Per-token scales keep a token with large values from
+  crushing the others' resolution; outlier *channels* (the same few columns large in every
+  token) still share their row's scale, which is what e4m3's 3 mantissa bits tolerate: rel.
+  L2 0.027-0.029 against cuBLAS BF16 at Flux/Wan shapes on the H200 with 20x outlier
+  channels, the same as torch._scaled_mm row-wise (that rounding is e4m3's, not the kernel's);
+- the GEMM accumulates in fp32 and applies row scale x channel scale, the bias and the output
+  cast in its epilogue, so the only extra pass over memory is the activation quantisation
+  (2.4-4.3 TB/s measured, the H200 copies at 4.3: 3-13 % of a Linear call). Fusing it into the
+  GEMM prologue instead was not built: each program would re-read the bf16 rows (2 bytes an
+  element instead of 1) once per N tile (12-54 N tiles at these shapes) and convert them in
+  the MMA loop, while the most it can save is the fp8 write and re-read (a third of the
+  separate pass's bytes).
+
+Layout: e4m3 wgmma (sm_90) needs both operands K-major. x [M, K] is; the weight is kept as
+nn.Linear stores it, [N, K] row-major, i.e. W.T is K-major, and the kernel multiplies by the
+transposed view of each [BLOCK_N, BLOCK_K] tile.
+
+The GEMM is persistent (one program per SM walks tiles NUM_PROGRAMS apart) with grouped tile
+order (GROUP_M row tiles share one sweep of N tiles, so a weight tile is reused from L2 while
+it is hot). On sm_90 tiles come through TMA descriptors (zero-filled out of bounds, clipped
+stores); elsewhere through pointer loads with rows clamped into range (their results are
+dropped by the masked store), so the main loop carries no row masks. K and N must be multiples
+of 16 (TMA strides and MMA depth); M is anything.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # the registry reports why; importing the pack must still work
+    triton = None
+    tl = None
+
+from . import device as _device
+from .gpu_rules import feature_refusal
+from .kernel_common import arch_family, family_in, fp8_device_refusal, sm_count
+
+log = logging.getLogger("triton_accel.kernels.linear_fp8")  # not __name__: the clone's folder name
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# A row or channel of zeros gets this amax instead: scale stays finite, the zeros stay zeros.
+AMAX_FLOOR = 1e-12
+ALIGN_ELEMENTS = 16  # K and N multiple of 16: 16-byte TMA strides for e4m3, whole MMA depths
+
+# Tiles per arch family (kernel_common.arch_family; sm_120 falls back to sm89). Keys: BLOCK_M,
+# BLOCK_N, BLOCK_K, GROUP_M (row tiles per group of the tile order), num_warps, num_stages,
+# TMA (tensor descriptors, Hopper+).
+# sm90: the FP8 persistent-TMA tile of Triton's matmul tutorial (128x256x128, 3 stages: 208 KB
+# of shared memory with the epilogue's TMA-store buffer; 8 warps = two warpgroups of 64 rows).
+# benchmarks/linear_bench.py's sweep on the H200 (Triton 3.6, 2026-12-02, Flux/Wan shapes,
+# GEMM alone, two runs): it won against 128x128 / 256x128 tiles, BLOCK_K 64 and the pointer-load
+# variant (TMA +1-15 %); GROUP_M 8/16/32 differ within the +-3 % run-to-run spread except
+# Flux's MLP up (16: +5-8 %) and down (8: +3 %), so 16. 1168-1317 TFLOP/s GEMM alone.
+# sm89 / sm120 (~100 KB of shared memory, mma.sync): 128x128x64 x 3 stages = 48 KB, untimed.
+LINEAR_FP8_CONFIGS = {
+    "sm90": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=3, TMA=True),
+    "sm89": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=False),
+    # The interpreter runs on numpy: small tiles keep CPU tests fast and still walk several
+    # tiles per program, partial tiles and several K steps.
+    "interpreter": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1, TMA=False),
+}
+# Programs of the persistent grid under the interpreter (numpy has no SMs).
+INTERPRETER_PROGRAMS = 3
+# Activation quantisation: rows up to this many elements are held in registers in one pass.
+QUANT_ONE_PASS_MAX = 16384
+QUANT_LOOP_BLOCK = 4096
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Fp8LinearUnsupportedError(RuntimeError):
+    """The device or the call cannot run the FP8 Linear kernel; `.reason` says why."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass(frozen=True)
+class Fp8LinearWeight:
+    """A Linear weight ready for the kernel: e4m3 [N, K] (K contiguous) and fp32 scales [N]."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+
+def _check_features(n: int, k: int) -> None:
+    for name, v in (("in_features (K)", k), ("out_features (N)", n)):
+        if v % ALIGN_ELEMENTS:
+            raise Fp8LinearUnsupportedError(
+                f"FP8 Linear needs {name} to be a multiple of {ALIGN_ELEMENTS} (TMA row strides of 16 bytes, "
+                f"whole MMA depths); got {v}")
+
+
+def quantize_weight(weight: torch.Tensor, scale: torch.Tensor | float | None = None) -> Fp8LinearWeight:
+    """An nn.Linear weight [N, K] as the kernel wants it; done once per layer.
+
+    float weights: per-output-channel e4m3 (scale = channel amax / 448). float8_e4m3fn
+    weights (ComfyUI's FP8 checkpoints) are kept as they are, with `scale` a scalar
+    (per-tensor, `scale_weight` in those files; None means 1) or one value per output channel.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features]; got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    _check_features(n, k)
+    if weight.dtype == torch.float8_e4m3fn:
+        s = torch.as_tensor(1.0 if scale is None else scale, dtype=torch.float32, device=weight.device)
+        s = s.reshape(-1).to(torch.float32)
+        if s.numel() not in (1, n):
+            raise ValueError(f"an FP8 weight's scale must be a scalar or have {n} values; got {s.numel()}")
+        return Fp8LinearWeight(weight.contiguous(), s.expand(n).contiguous())
+    if weight.dtype not in IN_DTYPES:
+        raise Fp8LinearUnsupportedError(f"FP8 Linear quantises float16/bfloat16/float32 or takes float8_e4m3fn "
+                                        f"weights; got {weight.dtype}")
+    if scale is not None:
+        raise ValueError("scale is only for weights that are already float8_e4m3fn")
+    w = weight.float()
+    amax = w.abs().amax(dim=1).clamp_min(AMAX_FLOOR)
+    s = amax / FP8_MAX
+    # Division by the same fp32 scale the epilogue multiplies by: |w / s| <= 448 up to one
+    # rounding, and the clamp keeps that rounding from overflowing e4m3 (which has no inf).
+    q = (w / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8LinearWeight(q.contiguous(), s.contiguous())
+
+
+def config_family(arch: str) -> str:
+    """The key of LINEAR_FP8_CONFIGS for a device arch ("sm90", "sm89", "sm120"...)."""
+    return family_in(LINEAR_FP8_CONFIGS, arch_family(arch))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _to_e4m3(y, EXACT_CAST: tl.constexpr):
+        # y is already within +-448. The Triton interpreter's fp32 -> e4m3 conversion drops the
+        # carry when rounding crosses a power of two (31.7 becomes 16) and flushes subnormals:
+        # there, round to e4m3's grid first (3 mantissa bits, subnormal step 2**-9) so the
+        # cast is exact. GPUs convert correctly (cvt.rn.satfinite) and skip this.
+        if EXACT_CAST:
+            e = tl.floor(tl.log2(tl.maximum(tl.abs(y), 0.015625)))
+            step = tl.exp2(e - 3.0)
+            # Round half to even by floor and remainder: y / step is exact (step is a power of
+            # two), where adding 1.5 * 2**23 would round a second time (5.2500005 -> 5.0).
+            r = y / step
+            f = tl.floor(r)
+            d = r - f
+            odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+            y = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f) * step
+        return y.to(tl.float8e4nv)
+
+    @triton.jit
+    def _quant_rows_fp8(X, Y, S, K, stride_xm, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+                        EXACT_CAST: tl.constexpr):
+        # One program per row: amax over the row, then e4m3 of x * 448 / amax. Rows that fit
+        # (K <= QUANT_ONE_PASS_MAX) stay in registers: one read of x, one write of y.
+        row = tl.program_id(0).to(tl.int64)
+        x_row = X + row * stride_xm
+        y_row = Y + row * K
+        offs = tl.arange(0, BLOCK_K)
+        if ONE_PASS:
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-12)
+            inv = tl.math.div_rn(448.0, amax)  # correctly rounded: Triton's '/' is approximate
+            # The clamp keeps a rounding of x * inv just above 448 from overflowing e4m3.
+            y = tl.clamp(x * inv, -448.0, 448.0)
+            tl.store(y_row + offs, _to_e4m3(y, EXACT_CAST), mask=offs < K)
+        else:
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                acc = tl.maximum(acc, tl.abs(x))
+            amax = tl.maximum(tl.max(acc, 0), 1e-12)
+            inv = tl.math.div_rn(448.0, amax)  # correctly rounded: Triton's '/' is approximate
+            for k0 in range(0, K, BLOCK_K):
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                y = tl.clamp(x * inv, -448.0, 448.0)
+                tl.store(y_row + k0 + offs, _to_e4m3(y, EXACT_CAST), mask=k0 + offs < K)
+        tl.store(S + row, amax / 448.0)
+
+    @triton.jit
+    def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+        # Grouped order: GROUP_M row tiles walk the N tiles together, so consecutive programs
+        # share weight tiles (and activation tiles) while they sit in L2.
+        per_group = GROUP_M * num_pid_n
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+        return pid_m, pid_n
+
+    @triton.jit
+    def _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS: tl.constexpr):
+        # Dequantise: row (token) scale x column (channel) scale, then the bias, in fp32.
+        sa = tl.load(SA + rm, mask=rm < M, other=0.0)
+        sb = tl.load(SB + rn, mask=rn < N, other=0.0)
+        out = acc * sa[:, None] * sb[None, :]
+        if HAS_BIAS:
+            out = out + tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        return out
+
+    @triton.jit
+    def _fp8_linear_tma(
+        a_desc, b_desc, c_desc, SA, SB, BIAS, M, N, K,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    ):
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            # Out-of-bounds rows / K columns arrive as zeros from TMA: no masks in the loop.
+            for ki in range(k_tiles):
+                a = a_desc.load([off_m, ki * BLOCK_K])
+                b = b_desc.load([off_n, ki * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+            rm = off_m + tl.arange(0, BLOCK_M)
+            rn = off_n + tl.arange(0, BLOCK_N)
+            out = _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
+            c_desc.store([off_m, off_n], out.to(c_desc.dtype))  # TMA clips the partial tile
+
+    @triton.jit
+    def _fp8_linear_ptr(
+        A, B, C, SA, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
+    ):
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        offs_k = tl.arange(0, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            # Rows / columns past the edge read row 0 instead: valid memory, unmasked (vector)
+            # loads; the masked store below drops what they produce.
+            rm_ld = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
+            rn_ld = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
+            a_ptrs = A + rm_ld.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+            b_ptrs = B + rn_ld.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_ok = offs_k[None, :] < K - ki * BLOCK_K
+                    a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+                acc = tl.dot(a, tl.trans(b), acc)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
+            out = _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
+            c_ptrs = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+            tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _check_device(device: torch.device) -> bool:
+    """Raise Fp8LinearUnsupportedError where the kernels cannot run; True on the interpreter."""
+    reason = fp8_device_refusal(device, "FP8 Linear")
+    if reason is not None:
+        raise Fp8LinearUnsupportedError(reason)
+    return device.type == "cpu"
+
+
+def default_config(device: torch.device, interpreter: bool) -> dict:
+    if interpreter:
+        return dict(LINEAR_FP8_CONFIGS["interpreter"])
+    return dict(LINEAR_FP8_CONFIGS[config_family(_device.describe(device).arch)])
+
+
+def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token e4m3 of a [M, K] activation (unit last stride): (x_fp8 [M, K], scale [M] fp32)."""
+    interpreter = _check_device(x2d.device)
+    m, k = x2d.shape
+    y = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2d.device)
+    s = torch.empty((m,), dtype=torch.float32, device=x2d.device)
+    if m == 0:
+        return y, s
+    one_pass = k <= QUANT_ONE_PASS_MAX
+    block = triton.next_power_of_2(k) if one_pass else QUANT_LOOP_BLOCK
+    warps = 8 if block >= 4096 else 4
+    _quant_rows_fp8[(m,)](x2d, y, s, k, x2d.stride(0), BLOCK_K=block, ONE_PASS=one_pass, EXACT_CAST=interpreter,
+                          num_warps=warps)
+    return y, s
+
+
+def _tma_usable(*tensors: torch.Tensor) -> bool:
+    """Host TMA descriptors: Triton 3.4+ and 16-byte aligned bases (a weight sliced out of a
+    fused one may not be); otherwise the pointer-load kernel serves the call."""
+    if feature_refusal("host_tensor_descriptor", _device.triton_version()) is not None:
+        return False
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None,
+             out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+    """(x_fp8 * x_scale) @ (W * w_scale).T + bias, cast to out_dtype: the GEMM alone."""
+    m, k = x_fp8.shape
+    n = w.out_features
+    interpreter = _check_device(x_fp8.device)
+    cfg = config or default_config(x_fp8.device, interpreter)
+    out = torch.empty((m, n), dtype=out_dtype, device=x_fp8.device)
+    if m == 0:
+        return out
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = min(tiles, INTERPRETER_PROGRAMS if interpreter else sm_count(x_fp8.device.index or 0))
+    bias_arg = bias if bias is not None else x_scale  # placeholder pointer, never read
+    common = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+                  NUM_PROGRAMS=programs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("TMA") and not interpreter and _tma_usable(x_fp8, w.weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor(x_fp8, [m, k], [k, 1], [bm, bk])
+        b_desc = TensorDescriptor(w.weight, [n, k], [k, 1], [bn, bk])
+        c_desc = TensorDescriptor(out, [m, n], [n, 1], [bm, bn])
+        _fp8_linear_tma[(programs,)](a_desc, b_desc, c_desc, x_scale, w.scale, bias_arg, m, n, k, **common)
+    else:
+        _fp8_linear_ptr[(programs,)](x_fp8, w.weight, out, x_scale, w.scale, bias_arg, m, n, k,
+                                     x_fp8.stride(0), w.weight.stride(0), out.stride(0), EVEN_K=k % bk == 0,
+                                     **common)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None, config: dict | None = None) -> torch.Tensor:
+    """y = x @ W.T + bias with x quantised per token to e4m3 and W from `quantize_weight`.
+
+    x: [..., K] float16/bfloat16/float32; the result has x's leading dims and out_dtype
+    (default: x's dtype), computed in fp32 from the e4m3 products.
+    """
+    if not isinstance(w, Fp8LinearWeight):
+        raise TypeError("w must come from quantize_weight()")
+    k = w.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
+    if x.dtype not in IN_DTYPES:
+        raise Fp8LinearUnsupportedError(f"FP8 Linear takes float16/bfloat16/float32 activations; got {x.dtype}")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in OUT_DTYPES:
+        raise Fp8LinearUnsupportedError(f"FP8 Linear writes float16/bfloat16/float32; got {out_dtype}")
+    if x.device != w.weight.device or (bias is not None and bias.device != x.device):
+        raise ValueError("x, the weight and the bias must be on one device")
+    if bias is not None and bias.shape != (w.out_features,):
+        raise ValueError(f"bias must have shape ({w.out_features},); got {tuple(bias.shape)}")
+    _check_device(x.device)
+    x2d = x.reshape(-1, k)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    x_fp8, x_scale = quantize_activation(x2d)
+    out = fp8_gemm(x_fp8, x_scale, w, bias.contiguous() if bias is not None else None, out_dtype, config)
+    return out.reshape(*x.shape[:-1], w.out_features)
+
+
+def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, tma: bool | None = None):
+    """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...)): the
+    activation quantisation and the GEMM as a launch on contiguous tensors specialises them."""
+    quant_sig = {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32", "K": "i32", "stride_xm": "i32",
+                 "BLOCK_K": "constexpr", "ONE_PASS": "constexpr", "EXACT_CAST": "constexpr"}
+    quant_const = dict(BLOCK_K=8192, ONE_PASS=True, EXACT_CAST=False)
+    quant_attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+    specs = [(_quant_rows_fp8, quant_sig, quant_const, quant_attrs, dict(num_warps=8, num_stages=1))]
+    use_tma = config.get("TMA", False) if tma is None else tma
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    const = dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"], NUM_PROGRAMS=132)
+    scalars = {"SA": "*fp32", "SB": "*fp32", "BIAS": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
+    if use_tma:
+        sig = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
+               "c_desc": f"tensordesc<{out_dtype}[{bm}, {bn}]>", **scalars}
+        fn, aligned = _fp8_linear_tma, ["SA", "SB", "BIAS", "N", "K"]
+    else:
+        sig = {"A": "*fp8e4nv", "B": "*fp8e4nv", "C": f"*{out_dtype}", **scalars,
+               "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32"}
+        fn, aligned = _fp8_linear_ptr, ["A", "B", "C", "SA", "SB", "BIAS", "N", "K", "stride_am", "stride_bn",
+                                        "stride_cm"]
+        const["EVEN_K"] = True
+    for name in const:
+        sig[name] = "constexpr"
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    specs.append((fn, sig, const, attrs, dict(num_warps=config["num_warps"], num_stages=config["num_stages"])))
+    return specs
+
+
+__all__ = ["Fp8LinearWeight", "Fp8LinearUnsupportedError", "LINEAR_FP8_CONFIGS", "quantize_weight",
+           "quantize_activation", "fp8_gemm", "fp8_linear", "config_family", "compile_specs", "FP8_MAX"]

@@ -1,0 +1,148 @@
+"""The FP8 Linear kernels (kernels/linear_fp8.py) compile for sm_89 / sm_90 / sm_120 with the
+FP8 MMA in their PTX, and are refused below sm_89, without a GPU:
+triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32)).
+
+Under TRITON_INTERPRET=1 (set by tests/conftest.py) @triton.jit gives interpreter functions
+that cannot be compiled, so one subprocess with the variable unset compiles every case (one
+worker per core) and reports JSON; the tests assert on that report.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+lf = importlib.import_module("triton_accel.kernels.linear_fp8")
+device_mod = importlib.import_module("triton_accel.kernels.device")
+
+SMEM_LIMIT = {89: 101376, 90: 232448, 120: 101376}  # bytes one block may use, per target
+# The e4m3 x e4m3 -> fp32 tensor-core instruction each target must use: Hopper's
+# asynchronous warpgroup MMA, Ada's / consumer Blackwell's warp-level mma.sync.
+FP8_MMA = {90: r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3",
+           89: r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32",
+           120: r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32"}
+
+# (cc, family whose config is built, tma, out dtype, bias): the shipped config of every target,
+# sm_90's pointer variant too (its fallback where a tensor is not TMA-aligned), fp16 output.
+GOOD = [(90, "sm90", True, "bf16", True), (90, "sm90", False, "fp16", False),
+        (89, "sm89", False, "bf16", True), (120, "sm120", False, "fp16", True)]
+BAD = [(80, "sm89", False, "bf16", True), (86, "sm89", False, "bf16", False)]
+
+WORKER = r"""
+import importlib, importlib.util, json, os, sys
+from concurrent.futures import ProcessPoolExecutor
+
+root, jobs = sys.argv[1], json.loads(sys.argv[2])
+
+def load():
+    name = "triton_accel_compile"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(root, "__init__.py"),
+                                                      submodule_search_locations=[root])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return importlib.import_module(name + ".kernels.linear_fp8")
+
+def compile_job(job):
+    cc, family, tma, out_dtype, bias = job
+    lf = load()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    cfg = lf.LINEAR_FP8_CONFIGS[lf.config_family(family)]
+    out = []
+    for fn, sig, const, attrs, opts in lf.compile_specs(cfg, out_dtype, bias, tma):
+        name = fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__
+        try:
+            k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cc, 32), options=opts)
+            out.append(dict(kernel=name, ok=True, cubin=len(k.asm.get("cubin", b"")), shared=k.metadata.shared,
+                            ptx=k.asm.get("ptx", "")))
+        except Exception as e:
+            out.append(dict(kernel=name, ok=False, error=f"{type(e).__name__}: {e}"[-600:]))
+    return out
+
+if __name__ == "__main__":
+    load()
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers) as ex:
+        results = list(ex.map(compile_job, [tuple(j) for j in jobs]))
+    print("RESULT " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def report():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton >= 3.9 warns when unset
+    jobs = GOOD + BAD
+    p = subprocess.run([sys.executable, "-c", WORKER, str(ROOT), json.dumps(jobs)], capture_output=True,
+                       text=True, env=env, timeout=900)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, f"compile worker failed:\n{p.stderr[-3000:]}"
+    return dict(zip(map(tuple, jobs), json.loads(lines[-1][7:])))
+
+
+def _ids(jobs):
+    return [f"sm{j[0]}-{'tma' if j[2] else 'ptr'}-{j[3]}{'-bias' if j[4] else ''}" for j in jobs]
+
+
+@pytest.mark.parametrize("job", GOOD, ids=_ids(GOOD))
+def test_compiles_with_fp8_mma(report, job):
+    cc = job[0]
+    results = report[job]
+    assert [r["kernel"] for r in results] == ["_quant_rows_fp8", "_fp8_linear_tma" if job[2] else "_fp8_linear_ptr"]
+    for r in results:
+        assert r["ok"], r.get("error")
+        assert r["cubin"] > 0, f"{r['kernel']}: no binary"
+        assert r["shared"] <= SMEM_LIMIT[cc], f"{r['kernel']} needs {r['shared']} B of shared memory"
+    quant, gemm = results
+    assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", quant["ptx"]), "quantisation lost its e4m3 conversion"
+    assert re.search(FP8_MMA[cc], gemm["ptx"]), f"no e4m3 MMA ({FP8_MMA[cc]}) in the sm_{cc} PTX"
+    if cc != 90:
+        assert "wgmma" not in gemm["ptx"]
+    if job[2]:
+        assert "cp.async.bulk.tensor" in gemm["ptx"], "TMA variant without TMA loads"
+
+
+@pytest.mark.parametrize("job", BAD, ids=_ids(BAD))
+def test_triton_refuses_fp8_below_sm89(report, job):
+    gemm = report[job][-1]
+    assert not gemm["ok"], f"FP8 GEMM compiled for sm_{job[0]}"
+    assert "fp8e4nv" in gemm["error"], gemm["error"]
+
+
+@pytest.mark.parametrize("cc", [75, 80, 86])
+def test_launcher_refuses_below_sm89(monkeypatch, cc):
+    major, minor = divmod(cc, 10)
+    name = {75: "Tesla T4", 80: "NVIDIA A100-SXM4-80GB", 86: "NVIDIA GeForce RTX 3090"}[cc]
+    info = device_mod.DeviceInfo("cuda", "nvidia", name, (major, minor), f"sm{cc}")
+    monkeypatch.setattr(lf._device, "describe", lambda device=None: info)
+    with pytest.raises(lf.Fp8LinearUnsupportedError) as e:
+        lf._check_device(torch.device("cuda", 0))
+    assert e.value.reason == f"FP8 tensor cores need sm_89+ ({name} is sm_{cc})"
+
+
+@pytest.mark.parametrize("cc", [89, 90, 120])
+def test_launcher_accepts_sm89_and_newer(monkeypatch, cc):
+    major, minor = divmod(cc, 10)
+    info = device_mod.DeviceInfo("cuda", "nvidia", f"gpu sm{cc}", (major, minor), f"sm{cc}")
+    monkeypatch.setattr(lf._device, "describe", lambda device=None: info)
+    assert lf._check_device(torch.device("cuda", 0)) is False  # False: not the interpreter
+    assert lf.config_family(f"sm{cc}") == ("sm90" if cc == 90 else "sm89")
+
+
+def test_launcher_refuses_amd(monkeypatch):
+    info = device_mod.DeviceInfo("cuda", "amd", "AMD Instinct MI300X", (9, 4), "gfx942")
+    monkeypatch.setattr(lf._device, "describe", lambda device=None: info)
+    with pytest.raises(lf.Fp8LinearUnsupportedError, match="NVIDIA GPUs only"):
+        lf._check_device(torch.device("cuda", 0))

@@ -1,0 +1,193 @@
+"""Full-FP8 attention (Q.K^T and P.V in e4m3) on the Triton interpreter: accuracy and edges.
+
+Yardstick: the float32 reference. The tolerances are issue 11's targets:
+- "outlier" inputs (kernels.attention_fp8_full.accuracy_inputs: large per-channel K offsets,
+  Q and V outlier channels): cosine >= 0.9995 and rel. L2 <= 0.03;
+- "gauss" inputs: cosine >= 0.998 and rel. L2 <= 0.06. Zero-mean random V averages to a
+  small output, so each e4m3 rounding (Q, K, P and V: ~2-3% relative each) shows at full
+  size; naive per-tensor FP8 lands in the same place (measured 0.047-0.054 here, 0.052-0.060
+  on the H200 at Flux/Wan/HunyuanVideo shapes).
+Naive per-tensor FP8 (one scale per tensor, no smoothing) must fail the outlier inputs, and
+so must our kernel without the outlier channels' residual operand (n_outlier=0): those two
+tests are what the smoothing and the side operand are for.
+The interpreter's FP8 dots are exact and its fp32 -> e4m3 cast is replaced by exact rounding
+(EXACT_CAST), so these tests check the quantisation scheme and the kernel's indexing; Hopper's
+short fp8 accumulator is measured by benchmarks/fp8_attention_bench.py on the GPU.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+full = importlib.import_module("triton_accel.kernels.attention_fp8_full")
+quant = importlib.import_module("triton_accel.kernels.attention_fp8_quant")
+device_mod = importlib.import_module("triton_accel.kernels.device")
+registry_mod = importlib.import_module("triton_accel.kernels.registry")
+
+# (cosine >=, rel. L2 <=) vs float32, per input kind: issue 11's targets, for fp16 and bf16
+# alike (the kernel reads either into fp32 before quantising; the output rounding to the
+# input dtype is ~1e-3, far under these).
+TOL = {"outlier": (0.9995, 0.03), "gauss": (0.998, 0.06)}
+
+# name: (B, H, Lq, Lk, D). Interpreter tiles are 32x32, so every case has partial tiles
+# except d128_whole_tiles.
+ACCURACY_CASES = {
+    "d128_whole_tiles": (1, 1, 192, 192, 128),
+    "d64_partial_tiles": (1, 2, 200, 200, 64),
+    "d128_lq_ne_lk": (1, 1, 70, 150, 128),
+}
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
+def rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def passes(out, ref, kind):
+    cos_min, rel_max = TOL[kind]
+    return cosine(out, ref) >= cos_min and rel_l2(out, ref) <= rel_max
+
+
+def inputs(kind, B, H, Lq, Lk, D, dtype, seed=0):
+    q, _, _ = full.accuracy_inputs(kind, (B, H, Lq, D), dtype, seed=seed)
+    _, k, v = full.accuracy_inputs(kind, (B, H, Lk, D), dtype, seed=seed + 1)
+    return q, k, v
+
+
+@pytest.mark.parametrize("kind", ["gauss", "outlier"])
+@pytest.mark.parametrize("case", list(ACCURACY_CASES))
+def test_accuracy_vs_float32_fp16(case, kind):
+    q, k, v = inputs(kind, *ACCURACY_CASES[case], torch.float16)
+    out = full.attention_fp8_full(q, k, v)
+    ref = full.attention_fp8_full_ref(q, k, v)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    cos_min, rel_max = TOL[kind]
+    assert cosine(out, ref) >= cos_min and rel_l2(out, ref) <= rel_max, (cosine(out, ref), rel_l2(out, ref))
+
+
+@pytest.mark.parametrize("kind", ["gauss", "outlier"])
+def test_accuracy_vs_float32_bf16(kind):
+    q, k, v = inputs(kind, *ACCURACY_CASES["d64_partial_tiles"], torch.bfloat16, seed=5)
+    out = full.attention_fp8_full(q, k, v)
+    ref = full.attention_fp8_full_ref(q, k, v)
+    assert out.dtype == torch.bfloat16
+    assert passes(out, ref, kind), (cosine(out, ref), rel_l2(out, ref))
+
+
+def test_naive_per_tensor_fp8_fails_outlier_inputs_ours_passes():
+    q, k, v = inputs("outlier", *ACCURACY_CASES["d128_whole_tiles"], torch.float16, seed=2)
+    ref = full.attention_fp8_full_ref(q, k, v)
+    naive = full.attention_fp8_per_tensor(q, k, v)
+    assert not passes(naive, ref, "outlier"), (cosine(naive, ref), rel_l2(naive, ref))
+    assert rel_l2(naive, ref) > 3 * TOL["outlier"][1]  # K's offsets set its one scale: far off
+    assert passes(full.attention_fp8_full(q, k, v), ref, "outlier")
+
+
+def test_outlier_channel_residual_is_what_passes_outlier_inputs():
+    q, k, v = inputs("outlier", *ACCURACY_CASES["d64_partial_tiles"], torch.float16, seed=3)
+    ref = full.attention_fp8_full_ref(q, k, v)
+    without = full.attention_fp8_full(q, k, v, n_outlier=0)
+    assert not passes(without, ref, "outlier"), (cosine(without, ref), rel_l2(without, ref))
+    assert passes(full.attention_fp8_full(q, k, v), ref, "outlier")
+
+
+# name: (B, H, Lq, Lk, D, layout)
+EDGE_CASES = {
+    "keys_fewer_than_one_tile": (1, 2, 33, 5, 64, "bhld"),
+    "single_query": (1, 2, 1, 40, 64, "bhld"),
+    "head_dim_40_padded": (2, 1, 45, 45, 40, "bhld"),
+    "head_dim_8": (1, 2, 20, 19, 8, "bhld"),
+    "blhd_view": (2, 2, 30, 30, 64, "blhd"),
+}
+
+
+@pytest.mark.parametrize("case", list(EDGE_CASES))
+def test_edge_shapes_and_layouts(case):
+    B, H, Lq, Lk, D, layout = EDGE_CASES[case]
+    q, k, v = inputs("gauss", B, H, Lq, Lk, D, torch.float16, seed=11)
+    if layout == "blhd":  # [B, L, H, D] storage viewed as [B, H, L, D]: strided heads and rows
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        assert not q.is_contiguous()
+    out = full.attention_fp8_full(q, k, v)
+    ref = full.attention_fp8_full_ref(q, k, v)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert passes(out, ref, "gauss"), (cosine(out, ref), rel_l2(out, ref))
+
+
+def test_constant_values_come_back_exactly():
+    """V's mean is added back in fp32 and (v - mean) is zero: any P gives V's rows back, a
+    check of the smoothing's bookkeeping that quantisation noise cannot hide."""
+    q, k, _ = inputs("outlier", 1, 2, 50, 70, 64, torch.float16, seed=4)
+    v = (torch.randn(1, 2, 1, 64) * 20).expand(1, 2, 70, 64).to(torch.float16).contiguous()
+    out = full.attention_fp8_full(q, k, v)
+    assert torch.allclose(out.float(), v[:, :, :1].float().expand_as(out), rtol=2e-3, atol=2e-3)
+
+
+def test_quantized_operands_are_padded_with_zeros_and_scaled():
+    q, k, v = inputs("outlier", 1, 1, 40, 50, 40, torch.float16, seed=6)
+    qkv = quant.quantize_qkv(q, k, v, 0.125, 32, 32, exact_cast=True)
+    assert qkv.q8.shape == (1, 64, 64) and qkv.k8.shape == (1, 64, 64) and qkv.vt8.shape == (1, 64, 64)
+    assert (qkv.q8.float()[:, 40:] == 0).all() and (qkv.q8.float()[:, :, 40:] == 0).all()
+    assert (qkv.k8.float()[:, 50:] == 0).all() and (qkv.vt8.float()[:, :, 50:] == 0).all()
+    assert qkv.k8.float().abs().amax() == 448 and qkv.vt8.float().abs().amax() == 448
+    k_mean = k.float().mean(dim=2)[0]
+    assert torch.allclose(qkv.vmean[:, :40], v.float().mean(dim=2)[0], atol=1e-4)
+    # K was centred: de-quantised K + mean is K again, to e4m3's 2**-4 relative step.
+    kd = qkv.k8.float()[0, :50, :40] * qkv.sk[0].repeat_interleave(32)[:50, None] + k_mean
+    assert rel_l2(kd, k[0, 0].float()) < 0.03
+
+
+@pytest.mark.parametrize("what, kwargs, message", [
+    ("mask", dict(attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool)), "masks are not supported"),
+    ("causal", dict(is_causal=True), "is_causal is not supported"),
+])
+def test_refuses_mask_and_causal(what, kwargs, message):
+    q, k, v = inputs("gauss", 1, 1, 8, 8, 64, torch.float16)
+    with pytest.raises(full.FP8FullUnsupportedError, match=message):
+        full.attention_fp8_full(q, k, v, **kwargs)
+
+
+def test_refuses_gqa_float32_and_wide_heads():
+    q, k, v = inputs("gauss", 1, 4, 8, 8, 64, torch.float16)
+    with pytest.raises(full.FP8FullUnsupportedError, match="no GQA"):
+        full.attention_fp8_full(q, k[:, :2], v[:, :2])
+    with pytest.raises(full.FP8FullUnsupportedError, match="float16 or bfloat16"):
+        full.attention_fp8_full(q.float(), k.float(), v.float())
+    q, k, v = inputs("gauss", 1, 1, 8, 8, 160, torch.float16)
+    with pytest.raises(full.FP8FullUnsupportedError, match="head dim 160 outside 1..128"):
+        full.attention_fp8_full(q, k, v)
+
+
+@pytest.mark.parametrize("cc, ok", [((7, 5), False), ((8, 0), False), ((8, 6), False), ((8, 9), True),
+                                    ((9, 0), True), ((12, 0), True)])
+def test_device_refusal_below_sm89(monkeypatch, cc, ok):
+    info = device_mod.DeviceInfo("cuda", "nvidia", f"gpu sm{cc[0]}{cc[1]}", cc, f"sm{cc[0]}{cc[1]}")
+    monkeypatch.setattr(full._device, "describe", lambda device=None: info)
+    reason = full.device_refusal(torch.device("cuda", 0))
+    if ok:
+        assert reason is None
+    else:
+        assert reason == f"FP8 tensor cores need sm_89+ (gpu sm{cc[0]}{cc[1]} is sm_{cc[0]}{cc[1]})"
+
+
+@pytest.mark.parametrize("change, refusal", [
+    (dict(mask="bool"), "bool masks not supported"),
+    (dict(is_causal=True), "is_causal not supported"),
+    (dict(kv_heads=8), "grouped-query attention not supported"),
+    (dict(head_dim=256, head_dim_v=256), "head dim 256 outside 1..128"),
+    (dict(dtype=torch.float32), "dtype torch.float32 not supported"),
+    (dict(device=device_mod.DeviceInfo("cuda", "nvidia", "RTX 3090", (8, 6), "sm86")),
+     "FP8 tensor cores need sm_89+ (RTX 3090 is sm_86)"),
+    (dict(), None),
+])
+def test_registry_constraints_say_what_is_served(change, refusal):
+    fields = dict(device=device_mod.DeviceInfo("cuda", "nvidia", "NVIDIA H200", (9, 0), "sm90"),
+                  dtype=torch.bfloat16, head_dim=128, head_dim_v=128, q_heads=24, kv_heads=24, mask="none",
+                  is_causal=False)
+    fields.update(change)
+    assert full.registry_constraints().check(registry_mod.Call(**fields)) == refusal

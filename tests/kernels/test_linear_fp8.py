@@ -1,0 +1,199 @@
+"""FP8 W8A8 Linear (kernels/linear_fp8.py) on the Triton interpreter (CPU): semantics and accuracy.
+
+Two yardsticks per case:
+- vs linear_fp8_reference (the same per-token / per-channel e4m3 quantisation in fp32 torch):
+  catches kernel bugs (tile order, partial tiles, K tail, scales, bias) with a tight
+  tolerance, since the quantisation error is shared. FP8 dots are exact in the interpreter
+  and the quantisation kernel rounds to e4m3 exactly there (EXACT_CAST), so what is left is
+  fp32 summation order and the output's rounding (bf16: 2**-9 relative);
+- vs the unquantised fp32 Linear: the accuracy a user gets, 0.022-0.031 rel. L2 measured with
+  30x outlier channels in the activations (see TOL_FP32).
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+lf = importlib.import_module("triton_accel.kernels.linear_fp8")
+ref = importlib.import_module("triton_accel.kernels.linear_ref")
+
+# rel L2 vs linear_fp8_reference, by output dtype: its rounding (bf16 2**-9, fp16 2**-11) plus
+# fp32 summation order.
+TOL_EMU = {torch.bfloat16: 6e-3, torch.float16: 2e-3, torch.float32: 1e-5}
+# rel L2 vs the unquantised fp32 Linear. This is e4m3's own rounding, not the kernel's: 3
+# mantissa bits give ~2.6 % rms relative error per operand, and random Gaussian data has no
+# structure to average it away, so any W8A8 e4m3 Linear (torch._scaled_mm row-wise included)
+# lands at 0.022-0.031 on these inputs (linear_fp8_reference measures the same); 0.035 holds
+# that with margin and still fails a wrong scale (>= 0.3) or a dropped outlier channel.
+TOL_FP32 = 0.035
+
+# (M, K, N) with the interpreter's 16x32x32 tiles: partial row and column tiles, a K tail
+# (K % 32 != 0), a single row, exact tiles with several tiles per persistent program.
+SHAPES = {
+    "partial_m_n": (37, 96, 80),
+    "k_tail": (20, 48, 48),
+    "one_token": (1, 64, 32),
+    "exact_tiles": (64, 64, 96),
+}
+
+
+def rel_l2(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def activations(m, k, dtype, gen, outliers=True):
+    """Random tokens with a few channels 30x larger than the rest, as in real diffusion models."""
+    x = torch.randn(m, k, generator=gen)
+    if outliers:
+        x[:, torch.randperm(k, generator=gen)[:3]] *= 30.0
+    return x.to(dtype)
+
+
+def weights(n, k, gen):
+    return torch.randn(n, k, generator=gen) * k ** -0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
+def test_matches_reference_with_outlier_channels(dtype, shape):
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w, b = activations(m, k, dtype, gen), weights(n, k, gen).to(dtype), torch.randn(n, generator=gen)
+    fw = lf.quantize_weight(w)
+    out = lf.fp8_linear(x, fw, b.to(dtype))
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref.linear_fp8_reference(x, fw, b.to(dtype), torch.float32)) <= TOL_EMU[dtype]
+    assert rel_l2(out, ref.linear_reference(x, w, b.to(dtype), torch.float32)) <= TOL_FP32
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_output_dtype_and_bias(out_dtype, with_bias):
+    m, k, n = SHAPES["partial_m_n"]
+    gen = torch.Generator().manual_seed(7)
+    x, w = activations(m, k, torch.bfloat16, gen), weights(n, k, gen)
+    # A bias far larger than x @ W.T: dropping or double-adding it cannot pass.
+    b = (torch.randn(n, generator=gen) * 10).to(torch.bfloat16) if with_bias else None
+    fw = lf.quantize_weight(w)
+    out = lf.fp8_linear(x, fw, b, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    assert rel_l2(out, ref.linear_fp8_reference(x, fw, b, torch.float32)) <= TOL_EMU[out_dtype]
+    assert rel_l2(out, ref.linear_reference(x, w, b, torch.float32)) <= TOL_FP32
+
+
+@pytest.mark.parametrize("scale_kind", ["per_tensor", "per_channel", "none"])
+def test_prequantized_fp8_weights(scale_kind):
+    """ComfyUI's FP8 checkpoints: e4m3 weights with a scalar scale_weight (or none, or per channel)."""
+    m, k, n = SHAPES["partial_m_n"]
+    gen = torch.Generator().manual_seed(11)
+    x, w = activations(m, k, torch.bfloat16, gen), weights(n, k, gen)
+    if scale_kind == "per_tensor":
+        scale = w.abs().max() / 448.0
+    elif scale_kind == "per_channel":
+        scale = w.abs().amax(dim=1) / 448.0
+    else:
+        scale = None
+    w8 = (w / (scale[:, None] if scale_kind == "per_channel" else (scale if scale is not None else 1.0))
+          ).to(torch.float8_e4m3fn)
+    fw = lf.quantize_weight(w8, scale)
+    assert fw.weight.dtype == torch.float8_e4m3fn and torch.equal(fw.weight.view(torch.uint8), w8.view(torch.uint8))
+    dequant = w8.float() * (scale[:, None] if scale_kind == "per_channel" else (scale if scale is not None else 1.0))
+    out = lf.fp8_linear(x, fw)
+    assert rel_l2(out, ref.linear_fp8_reference(x, fw, None, torch.float32)) <= TOL_EMU[torch.bfloat16]
+    assert rel_l2(out, ref.linear_reference(x, dequant, None, torch.float32)) <= TOL_FP32
+
+
+def test_weight_quantisation_per_channel():
+    gen = torch.Generator().manual_seed(3)
+    w = weights(48, 64, gen)
+    w[5] *= 1000.0  # one huge channel must not cost the others their resolution
+    fw = lf.quantize_weight(w.to(torch.bfloat16))
+    assert fw.weight.dtype == torch.float8_e4m3fn and fw.weight.is_contiguous()
+    assert torch.allclose(fw.scale, w.to(torch.bfloat16).float().abs().amax(1) / 448.0)
+    assert fw.weight.float().abs().amax(1).eq(448.0).all()  # every channel uses e4m3's full range
+    assert rel_l2(fw.weight.float() * fw.scale[:, None], w) <= 0.03
+
+
+def test_three_d_and_strided_input():
+    """[B, L, K] input, and a column slice (row stride != K): leading dims kept, strides honoured."""
+    gen = torch.Generator().manual_seed(5)
+    k, n = 64, 48
+    base = activations(2 * 9, 2 * k, torch.bfloat16, gen).reshape(2, 9, 2 * k)
+    x = base[..., 8:8 + k]
+    w = weights(n, k, gen)
+    fw = lf.quantize_weight(w)
+    out = lf.fp8_linear(x, fw)
+    assert out.shape == (2, 9, n)
+    assert rel_l2(out, ref.linear_fp8_reference(x.contiguous(), fw, None, torch.float32)) <= TOL_EMU[torch.bfloat16]
+
+
+def test_zero_rows_and_empty_input():
+    gen = torch.Generator().manual_seed(9)
+    x = activations(5, 32, torch.bfloat16, gen)
+    x[2] = 0
+    fw = lf.quantize_weight(weights(16, 32, gen))
+    b = torch.randn(16, generator=gen).to(torch.bfloat16)
+    out = lf.fp8_linear(x, fw, b)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[2], b)  # a zero token gives exactly the bias, no NaN from its zero scale
+    empty = lf.fp8_linear(x[:0], fw, b)
+    assert empty.shape == (0, 16)
+
+
+@pytest.mark.parametrize("k", [16, 4096, 16400], ids=["k16", "k4096_one_pass", "k16400_two_pass"])
+def test_activation_quantisation_exact(k):
+    """Per-token scale and e4m3 values equal torch's (one-pass rows and the two-pass loop)."""
+    gen = torch.Generator().manual_seed(k)
+    x = activations(3, k, torch.bfloat16, gen)
+    x[1] *= 1e-3  # a quiet token keeps its own resolution
+    q, s = lf.quantize_activation(x)
+    q_ref, s_ref = ref.quantize_rows_reference(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.float(), q_ref.float())  # values: a tiny negative may become +0 or -0
+
+
+@pytest.mark.parametrize("k, n", [(40, 32), (32, 24), (8, 16)], ids=["k40", "n24", "k8"])
+def test_refuses_features_not_multiple_of_16(k, n):
+    with pytest.raises(lf.Fp8LinearUnsupportedError, match="multiple of 16"):
+        lf.quantize_weight(torch.randn(n, k))
+
+
+@pytest.mark.parametrize("case", ["int_weight", "e5m2_weight", "bad_scale", "scale_on_float", "wrong_k",
+                                  "int_input", "bad_bias", "int8_out"])
+def test_refuses_bad_calls(case):
+    gen = torch.Generator().manual_seed(1)
+    w = weights(32, 32, gen)
+    fw = lf.quantize_weight(w)
+    x = activations(4, 32, torch.bfloat16, gen)
+    errors = (lf.Fp8LinearUnsupportedError, ValueError, TypeError)
+    with pytest.raises(errors):
+        if case == "int_weight":
+            lf.quantize_weight(torch.ones(32, 32, dtype=torch.int8))
+        elif case == "e5m2_weight":
+            lf.quantize_weight(w.to(torch.float8_e5m2))
+        elif case == "bad_scale":
+            lf.quantize_weight(w.to(torch.float8_e4m3fn), torch.ones(3))
+        elif case == "scale_on_float":
+            lf.quantize_weight(w, 0.5)
+        elif case == "wrong_k":
+            lf.fp8_linear(activations(4, 48, torch.bfloat16, gen), fw)
+        elif case == "int_input":
+            lf.fp8_linear(torch.ones(4, 32, dtype=torch.int32), fw)
+        elif case == "bad_bias":
+            lf.fp8_linear(x, fw, torch.zeros(31))
+        elif case == "int8_out":
+            lf.fp8_linear(x, fw, out_dtype=torch.int8)
+
+
+def test_tma_only_for_aligned_tensors_and_triton_3_4(monkeypatch):
+    """The TMA kernel needs 16-byte aligned bases and Triton 3.4+ host descriptors; else pointers."""
+    w = torch.zeros(64, 32, dtype=torch.float8_e4m3fn)
+    monkeypatch.setattr(lf._device, "triton_version", lambda: "3.6.0")
+    assert lf._tma_usable(w, w[16:])  # 16 rows of 32 bytes further: still aligned
+    assert not lf._tma_usable(w, w.view(-1)[1:].view(-1)[: 32 * 63].view(63, 32))  # one byte off
+    monkeypatch.setattr(lf._device, "triton_version", lambda: "3.3.1")
+    assert not lf._tma_usable(w)
