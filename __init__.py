@@ -59,8 +59,10 @@ if _inside_comfyui():
     try:
         from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: F811
         from .nodes.routes import register_routes
+        from .nodes.status import log_startup
 
         register_routes()
+        log_startup()
     except Exception:
         log.exception("Triton Accel: the nodes could not be loaded; ComfyUI continues without them")
 

@@ -78,6 +78,7 @@ CONFIG_KEY_CACHE = install_config.KEY_CACHE_DIR  # folder for TRITON_CACHE_DIR w
 # 2: path names are gpu_rules' ("triton_fp8", not "triton-fp8"); plan has blockers and
 # expected_paths; facts.config holds only checked values, facts.config_problems the rest.
 REPORT_VERSION = 2
+LAST_REPORT_NAME = "install_report.json"  # the last run's report, read by nodes/status.py
 
 VCRT_DLLS = ("msvcp140.dll", "vcruntime140.dll", "vcruntime140_1.dll")
 VCRT_MIN = (14, 42)
@@ -740,7 +741,7 @@ class Plan:
     target: Optional[Target]
     findings: List[Finding]
     actions: List[Action]
-    path: str                # gpu_rules' name: triton_fp8 | triton_fp16 | pytorch (expected, before the self-check)
+    path: str                # gpu_rules' name: triton_fp8 | triton_int8 | triton_fp16 | pytorch (before the self-check)
     path_reason: str         # the blockers' reasons, or gpu_rules.select_path()'s reason
     triton_blocked: bool
     blockers: List[Blocker] = field(default_factory=list)
@@ -899,7 +900,7 @@ def device_facts(f: Facts, gpu: dict, triton_version: Optional[str]):
         capability=None if amd else tuple(gpu["capability"]), arch=(gpu.get("arch") or "").split(":")[0],
         torch_version=f.torch_version or "", torch_cuda=f.torch_cuda,
         triton_version="" if triton_version is None else triton_version,
-        implemented=frozenset({gpu_rules.PATH_TRITON_FP16, gpu_rules.PATH_TRITON_FP8}))
+        implemented=gpu_rules.TRITON_PATHS)  # every path this build ships
 
 
 # ---- the checks plan() folds, in the order their findings are shown -------------------
@@ -1406,6 +1407,23 @@ def copy_vcrt(src_dir: str, dst_dir: str, dlls: Sequence[str], log: Callable[[st
         shutil.copy2(os.path.join(src_dir, dll), dst)
 
 
+def write_last_report(pack_dir: str, report: dict, log) -> Optional[str]:
+    """The --json report of the last real run, kept for the pack's status panel
+    (/triton_accel/status shows its verdict and every remaining fix). Best effort: a read-only
+    pack folder only costs the panel its install section."""
+    path = os.path.join(pack_dir, LAST_REPORT_NAME)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log(f"(could not keep this report in {path}: {e})")
+        return None
+    return path
+
+
 def write_config(pack_dir: str, key: str, value) -> str:
     path = os.path.join(pack_dir, CONFIG_NAME)
     data = read_config(pack_dir)
@@ -1765,10 +1783,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not args.no_check and f.torch_version and not f.torch_error and f.os != "darwin" and not f.probe_error:
             check = self_check(f)
     v = verdict(p, f, check)
+    report = {"version": REPORT_VERSION, "dry_run": args.dry_run, "facts": f.to_dict(), "plan": p.to_dict(),
+              "results": [dataclasses.asdict(r) for r in results] if results is not None else None,
+              "self_check": check, "verdict": v, "seconds": round(time.monotonic() - t0, 2)}
+    if not args.dry_run:
+        write_last_report(PACK_DIR, report, log)
     if quiet:
-        report = {"version": REPORT_VERSION, "dry_run": args.dry_run, "facts": f.to_dict(), "plan": p.to_dict(),
-                  "results": [dataclasses.asdict(r) for r in results] if results is not None else None,
-                  "self_check": check, "verdict": v, "seconds": round(time.monotonic() - t0, 2)}
         print(json.dumps(report, indent=2))
     else:
         print(render(f, p, results, check, v, args.dry_run))

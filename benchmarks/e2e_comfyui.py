@@ -9,9 +9,19 @@ with:
   sage         ComfyUI's SageAttention path (sageattention 1.0.6, Triton)
   ours-auto    TritonAccelPatchAttention with settings auto
   ours-triton  TritonAccelPatchAttention with settings fp16 (our kernel forced)
-  ours-fp8     TritonAccelPatchAttention with settings fp8 (our FP8 Q.K kernel forced, sm_89+)
-and reports each variant's ms/step, its ratio to the default, and the relative L2 difference
-of its output from the default's.
+  ours-fp8     TritonAccelPatchAttention with settings fp8 (our FP8 attention forced, sm_89+)
+  ours-int8    TritonAccelPatchAttention with settings int8 (our INT8 Q.K attention forced)
+  comfy-fp8-fast  ComfyUI's own FP8 Linear (UNETLoader weight_dtype fp8_e4m3fn_fast: FP8
+               weights, per-tensor torch._scaled_mm); built as a second model, FP8 weights
+  ours-linear  TritonAccelPatchLinear with settings auto (Linear only; attention ComfyUI's)
+  ours-linear-fp8  TritonAccelPatchLinear forced fp8 W8A8 (Linear only)
+  ours-all     TritonAccelPatch (attention and Linear) with settings auto
+  ours-all-fp8 TritonAccelPatch with attention fp8 and Linear fp8 forced
+  ours-fp8ckpt TritonAccelPatch (auto) on a model loaded with FP8 weights (weight_dtype
+               fp8_e4m3fn, ComfyUI upcasting per call): our Linear uses the FP8 weights as-is
+and reports each variant's ms/step, its ratio to the default, the relative L2 difference and
+cosine of its output against the default's, the first call's time (auto's timing and the
+weight quantisation happen there) and the peak GPU memory.
 
     python benchmarks/e2e_comfyui.py --comfyui .ext/ComfyUI-0.29.0 [--models flux wan] [--tiny]
 
@@ -49,9 +59,9 @@ FULL = {
 TINY = {
     "flux": dict(unet={**FULL["flux"]["unet"], "hidden_size": 256, "num_heads": 2, "depth": 1,
                        "depth_single_blocks": 1, "axes_dim": [16, 56, 56], "context_in_dim": 64, "vec_in_dim": 32},
-                 latent=(1, 16, 8, 8), text=(1, 8, 64), pooled=(1, 32)),
+                 latent=(1, 16, 16, 16), text=(1, 8, 64), pooled=(1, 32)),
     "wan": dict(unet={**FULL["wan"]["unet"], "dim": 256, "num_heads": 2, "ffn_dim": 512, "num_layers": 1},
-                latent=(1, 16, 2, 8, 8), text=(1, 8, 4096), pooled=None),
+                latent=(1, 16, 2, 16, 16), text=(1, 8, 4096), pooled=None),
 }
 
 
@@ -63,14 +73,22 @@ def load_pack(name="triton_accel_bench"):
     return module
 
 
-def build(spec, dtype, device):
+def build(spec, dtype, device, weights="bf16"):
+    """weights: "bf16" (dtype), "fp8-fast" (ComfyUI's fp8_e4m3fn_fast: FP8 weights and its
+    FP8 matmul ops) or "fp8" (weight_dtype fp8_e4m3fn: FP8 weights upcast per call)."""
     import torch
     import comfy.model_detection
     import comfy.model_patcher
 
     config = comfy.model_detection.model_config_from_unet_config(dict(spec["unet"]))
     assert config is not None, f"ComfyUI does not recognise {spec['unet']['image_model']}"
-    config.set_inference_dtype(dtype, None)
+    if weights == "bf16":
+        config.set_inference_dtype(dtype, None)
+    else:
+        # What load_diffusion_model_state_dict does for these weight_dtype choices.
+        config.set_inference_dtype(torch.float8_e4m3fn, dtype)
+        if weights == "fp8-fast":
+            config.optimizations["fp8"] = True
     model = config.get_model({}, device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
@@ -128,11 +146,14 @@ def step_fn(patcher, x, t, context, kwargs):
 
 
 def time_steps(run, steps, device):
+    """(median ms per step, last output, first call's ms)."""
     import torch
 
-    out = run()  # warm-up: compilation, autotune lookups, auto's one-off timing
+    t0 = time.perf_counter()
+    out = run()  # warm-up: compilation, autotune lookups, auto's one-off timing, weight quantisation
     if device.type == "cuda":
         torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - t0) * 1e3
     times = []
     for _ in range(steps):
         if device.type == "cuda":
@@ -146,31 +167,142 @@ def time_steps(run, steps, device):
             t0 = time.perf_counter()
             out = run()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), out
+    return statistics.median(times), out, first_ms
+
+
+# The weights each variant's model is built with (default bf16).
+WEIGHTS_OF = {"comfy-fp8-fast": "fp8-fast", "ours-fp8ckpt": "fp8"}
+# variant -> (attention mode or None, Linear mode or None); None: that part is not patched.
+OURS = {"ours-auto": ("auto", None), "ours-triton": ("fp16", None), "ours-fp8": ("fp8", None),
+        "ours-int8": ("int8", None), "ours-linear": (None, "auto"), "ours-linear-fp8": (None, "fp8"),
+        "ours-all": ("auto", "auto"), "ours-all-fp8": ("fp8", "fp8"), "ours-fp8ckpt": ("auto", "auto")}
+
+
+def patch_ours(base, attention_mode, linear_mode):
+    """The clone the pack's nodes would hand to the sampler for these settings."""
+    from triton_accel_bench.nodes.settings import AccelSettings
+
+    settings = AccelSettings(attention_mode or "off", linear_mode=linear_mode or "off")
+    patched = base
+    if attention_mode is not None:
+        from triton_accel_bench.nodes.patch_attention import patch_model
+
+        patched = patch_model(patched, settings)
+    if linear_mode is not None:
+        from triton_accel_bench.nodes import patch_linear
+
+        patched = patch_linear.patch_linear_model(patched, settings)
+    return patched
+
+
+def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from triton_accel_bench.nodes import call_stats
+
+    ctx = contextlib.nullcontext()
+    patcher = base
+    if variant == "sdpa-flash":
+        if device.type != "cuda":
+            return dict(model=name, variant=variant, error="needs CUDA")
+        ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    elif variant == "sage":
+        override = sage_override()
+        if override is None:
+            return dict(model=name, variant=variant, error="sageattention not importable")
+        patcher = base.clone()
+        patcher.model_options["transformer_options"]["optimized_attention_override"] = override
+    elif variant in OURS:
+        try:
+            patcher = patch_ours(base, *OURS[variant])
+        except Exception as e:
+            return dict(model=name, variant=variant, error=f"patch failed: {type(e).__name__}: {e}"[:300])
+    elif variant not in ("default", "comfy-fp8-fast"):
+        return dict(model=name, variant=variant, error="unknown variant")
+    call_stats.reset()
+    kernel_stats = sys.modules["triton_accel_bench.kernels"].stats
+    kernel_stats.reset()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    import comfy.model_management
+
+    try:
+        # What the sampler does before its steps: load the clone, which applies its object
+        # patches (the Linear patch lives there; the attention override travels in
+        # transformer_options). Unloaded after, so the next variant starts from the plain model.
+        comfy.model_management.load_models_gpu([patcher], force_full_load=True)
+        with ctx:
+            ms, out, first_ms = time_steps(step_fn(patcher, x, t, context, kwargs), steps, device)
+    except Exception as e:  # one broken variant must not lose the others' numbers
+        print(f"[{name}] {variant}: FAILED {e}", flush=True)
+        return dict(model=name, variant=variant, error=f"{type(e).__name__}: {e}"[:300])
+    finally:
+        comfy.model_management.unload_all_models()
+    out = out.float()
+    base_out = out if ref is None else ref
+    diff = ((out - base_out).norm() / base_out.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), base_out.flatten(), dim=0).item()
+    snap = call_stats.snapshot()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    row = dict(model=name, variant=variant, ms_per_step=ms, rel_l2_vs_default=diff, cosine_vs_default=cos,
+               first_call_ms=first_ms, peak_gib=peak, finite=bool(torch.isfinite(out).all()),
+               calls={kind: f"{c['served']} ours/{c['handed_back']} back" for kind, c in snap.get("kinds", {}).items()},
+               paths=snap["paths"], linear_paths=snap.get("kinds", {}).get("linear", {}).get("paths", {}),
+               linear_reasons=snap.get("kinds", {}).get("linear", {}).get("reasons", {}),
+               kernel_calls=dict(kernel_stats.counts()), out=out)
+    print(f"[{name}] {variant}: {ms:.1f} ms/step (first call {first_ms:.0f} ms), rel L2 {diff:.2e}, "
+          f"cos {cos:.6f}, peak {peak:.1f} GiB, calls {row['calls']}", flush=True)
+    del patcher
+    return row
+
+
+def run_benchmark_node(name, base, x, context, kwargs, out_dir):
+    """The TritonAccelBenchmark node on this model, as a ComfyUI graph would run it (one sampling
+    step through comfy.sample), its result written to out_dir/benchmark_node_<name>/."""
+    import folder_paths
+
+    from triton_accel_bench.nodes.benchmark import benchmark
+    from triton_accel_bench.nodes.settings import AccelSettings
+
+    folder_paths.set_user_directory(str(out_dir / f"benchmark_node_{name}"))
+    extra = {}
+    if "y" in kwargs:
+        extra = {"pooled_output": kwargs["y"], "guidance": 3.5}
+    positive = [[context, extra]]
+    t0 = time.perf_counter()
+    try:
+        text, _image, _result, png = benchmark(base, positive, {"samples": x.cpu()}, AccelSettings("auto"), repeats=10)
+    except Exception as e:
+        print(f"[{name}] benchmark node: FAILED {type(e).__name__}: {e}", flush=True)
+        return
+    print(f"[{name}] benchmark node ({time.perf_counter() - t0:.0f} s, chart {'yes' if png else 'no'}):\n{text}",
+          flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH", str(ROOT / ".ext" / "ComfyUI-0.29.0")))
     ap.add_argument("--models", nargs="+", default=["flux", "wan"])
-    ap.add_argument("--variants", nargs="+", default=["default", "sdpa-flash", "sage", "ours-auto", "ours-triton", "ours-fp8"])
+    ap.add_argument("--variants", nargs="+", default=["default", "sdpa-flash", "sage", "ours-auto", "ours-triton", "ours-fp8",
+                                                      "comfy-fp8-fast", "ours-linear", "ours-all"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--benchmark-node", action="store_true",
+                    help="also run the TritonAccelBenchmark node (settings auto) on each bf16 model; its JSON and "
+                         "chart go to OUT/benchmark_node_<model>/")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "benchmarks" / "results")))
     args = ap.parse_args()
 
     sys.path.insert(0, args.comfyui)
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import comfy.cli_args
 
     if not torch.cuda.is_available():
         comfy.cli_args.args.cpu = True  # model_management asks CUDA for its device at import
     pack = load_pack()
-    from triton_accel_bench.nodes import call_stats
-    from triton_accel_bench.nodes.patch_attention import patch_model
-    from triton_accel_bench.nodes.settings import AccelSettings
 
     os.environ.setdefault("TRITON_ACCEL_CACHE_DIR", str(Path(args.out) / "cache"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -179,69 +311,47 @@ def main():
     results = []
     for name in args.models:
         spec = specs[name]
-        t_build = time.perf_counter()
-        base = build(spec, dtype, device)
-        x, t, context, kwargs = inputs(spec, dtype, device)
-        print(f"[{name}] built in {time.perf_counter() - t_build:.1f} s", flush=True)
+        x = t = context = kwargs = None
         ref = None
-        for variant in args.variants:
-            ctx = contextlib.nullcontext()
-            patcher = base
-            if variant == "sdpa-flash":
-                if device.type != "cuda":
-                    continue
-                ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION])
-            elif variant == "sage":
-                override = sage_override()
-                if override is None:
-                    results.append(dict(model=name, variant=variant, error="sageattention not importable"))
-                    continue
-                patcher = base.clone()
-                patcher.model_options["transformer_options"]["optimized_attention_override"] = override
-            elif variant == "ours-auto":
-                patcher = patch_model(base, AccelSettings("auto"))
-            elif variant == "ours-triton":
-                patcher = patch_model(base, AccelSettings("fp16"))
-            elif variant == "ours-fp8":
-                patcher = patch_model(base, AccelSettings("fp8"))
-            call_stats.reset()
-            try:
-                with ctx:
-                    ms, out = time_steps(step_fn(patcher, x, t, context, kwargs), args.steps, device)
-            except Exception as e:  # one broken variant must not lose the others' numbers
-                results.append(dict(model=name, variant=variant, error=f"{type(e).__name__}: {e}"[:300]))
-                print(f"[{name}] {variant}: FAILED {e}", flush=True)
+        # Variants grouped by the weights they need: one full-size model in memory at a time.
+        for weights in ("bf16", "fp8-fast", "fp8"):
+            todo = [v for v in args.variants if WEIGHTS_OF.get(v, "bf16") == weights]
+            if not todo:
                 continue
-            out = out.float()
-            if ref is None:
-                ref = out
-            diff = ((out - ref).norm() / ref.norm()).item()
-            row = dict(model=name, variant=variant, ms_per_step=ms, rel_l2_vs_default=diff,
-                       finite=bool(torch.isfinite(out).all()), calls=call_stats.snapshot()["calls"],
-                       paths=call_stats.snapshot()["paths"])
-            results.append(row)
-            print(f"[{name}] {variant}: {ms:.1f} ms/step, rel L2 vs default {diff:.2e}, calls {row['calls']}",
-                  flush=True)
-        del base, patcher
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            t_build = time.perf_counter()
+            base = build(spec, dtype, device, weights)
+            x, t, context, kwargs = inputs(spec, dtype, device)
+            print(f"[{name}] built ({weights}) in {time.perf_counter() - t_build:.1f} s", flush=True)
+            for variant in todo:
+                row = run_variant(name, variant, base, x, t, context, kwargs, args.steps, device, ref)
+                results.append(row)
+                if ref is None and "out" in row:
+                    ref = row["out"]
+                row.pop("out", None)
+            if args.benchmark_node and weights == "bf16":
+                run_benchmark_node(name, base, x, context, kwargs, Path(args.out))
+            del base
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 triton=pack.kernels.triton_version(), dtype=str(dtype), steps=args.steps, tiny=args.tiny)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "e2e_comfyui.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     print(f"\n{meta}")
-    print(f"{'model':6} {'variant':12} {'ms/step':>9} {'vs default':>10} {'rel L2':>9}  calls")
+    print(f"{'model':6} {'variant':15} {'ms/step':>9} {'vs default':>10} {'rel L2':>9} {'cosine':>9} "
+          f"{'first ms':>9} {'peak GiB':>8}  calls")
     for name in args.models:
         default = next((r["ms_per_step"] for r in results if r["model"] == name and r["variant"] == "default"
                         and "ms_per_step" in r), None)
         for r in (r for r in results if r["model"] == name):
             if "error" in r:
-                print(f"{name:6} {r['variant']:12} {'-':>9} {'-':>10} {'-':>9}  {r['error']}")
+                print(f"{name:6} {r['variant']:15} {'-':>9} {'-':>10} {'-':>9}  {r['error']}")
                 continue
             ratio = default / r["ms_per_step"] if default else float("nan")
-            print(f"{name:6} {r['variant']:12} {r['ms_per_step']:9.1f} {ratio:9.3f}x {r['rel_l2_vs_default']:9.2e}"
-                  f"  {r['calls']} {r['paths']}")
+            print(f"{name:6} {r['variant']:15} {r['ms_per_step']:9.1f} {ratio:9.3f}x {r['rel_l2_vs_default']:9.2e}"
+                  f" {r['cosine_vs_default']:9.6f} {r['first_call_ms']:9.0f} {r['peak_gib']:8.1f}  {r['calls']} "
+                  f"{r.get('kernel_calls', {})}")
 
 
 if __name__ == "__main__":

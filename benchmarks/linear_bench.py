@@ -1,16 +1,25 @@
-"""FP8 W8A8 Linear (kernels/linear_fp8.py) on a GPU: correctness, a tile sweep, and speed
-against cuBLAS BF16 and torch._scaled_mm at Flux / Wan Linear shapes.
+"""The Linear kernels on a GPU: every kernels.linear method (FP8 W8A8, INT8 W8A8, FP8
+weight-only) at Flux / Wan Linear shapes against cuBLAS BF16 and torch._scaled_mm, plus the FP8
+W8A8 kernel's correctness checks and tile sweep.
 
     python benchmarks/linear_bench.py [--out DIR] [--no-sweep] [--shapes flux_qkv,...]
+                                      [--methods fp8_w8a8,int8_w8a8,fp8_weight_only]
 
-1. small checks (partial tiles, K tail, bias, fp16 / bf16 output, pre-quantised FP8 weights,
-   TMA and pointer variants): rel. L2 vs linear_fp8_reference (same quantisation) and vs fp32;
-2. --sweep (default on): GEMM-only time of each candidate tile config per shape;
+1. small checks of the FP8 W8A8 kernel (partial tiles, K tail, bias, fp16 / bf16 output,
+   pre-quantised FP8 weights, TMA and pointer variants): rel. L2 vs linear_fp8_reference (same
+   quantisation) and vs fp32;
+2. --sweep (default on): GEMM-only time of each candidate FP8 tile config per shape;
 3. per shape (random bf16 data with outlier channels, never zeros): `triton.testing.do_bench`
-   medians (it flushes L2 between reps) of ours incl. activation quantisation, ours GEMM only,
-   our quantisation alone, cuBLAS BF16 F.linear, torch._scaled_mm per-tensor and row-wise (each
-   alone and with a separate eager-torch quantisation); TFLOP/s, ratios, rel. L2 vs BF16.
-Prints the table last; writes linear_fp8.json under --out (default: $OUT or .).
+   medians (it flushes L2 between reps) of our FP8 kernel incl. activation quantisation, its
+   GEMM only, its quantisation alone, cuBLAS BF16 F.linear, torch._scaled_mm per-tensor and
+   row-wise (each alone and with a separate eager-torch quantisation);
+4. per shape, every method through the public API (kernels.prepare_weight + kernels.linear,
+   quantisation included) with its rel. L2 vs BF16 on the outlier activations; INT8 without
+   the Hadamard rotation (accuracy only: what the rotation buys); torch._int_mm with a separate
+   quantisation (cuBLAS INT8); ComfyUI's FP8-weight path (upcast the e4m3 weight x scale_weight
+   to BF16 every call, then F.linear) beside our weight-only kernel on the same FP8 weight.
+Prints the tables last (methods table at the very end); writes linear.json under --out
+(default: $OUT or .).
 """
 from __future__ import annotations
 
@@ -32,6 +41,8 @@ from _load import load_pack  # noqa: E402
 pack = load_pack()
 lf = importlib.import_module(pack.__name__ + ".kernels.linear_fp8")
 lref = importlib.import_module(pack.__name__ + ".kernels.linear_ref")
+kernels = importlib.import_module(pack.__name__ + ".kernels")
+linear_int8 = importlib.import_module(pack.__name__ + ".kernels.linear_int8")
 
 # name -> (M tokens, K in_features, N out_features)
 SHAPES = {
@@ -127,7 +138,7 @@ def torch_quant_rowwise(x):
     return (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s
 
 
-def run_shape(name, m, k, n, gen, sweep, log):
+def run_shape(name, m, k, n, gen, sweep, log, methods=()):
     flops = 2.0 * m * n * k
     x = activations(m, k, gen)
     w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(torch.bfloat16)
@@ -220,6 +231,78 @@ def run_shape(name, m, k, n, gen, sweep, log):
                                      if res.get("scaled_mm_rowwise_quant_ms") else None)
         res["x_vs_rowwise_plus_our_quant"] = ((res["scaled_mm_rowwise_ms"] + res["ours_quant_ms"]) / full
                                               if res.get("scaled_mm_rowwise_ms") and res.get("ours_quant_ms") else None)
+    if methods:
+        res["methods"] = run_methods(name, x, w, b, y_bf16, methods, log)
+    return res
+
+
+def _int8_rows(t):
+    s = (t.abs().amax(dim=1, keepdim=True).float() / 127.0).clamp_min(1e-12)
+    return torch.round(t.float() / s).clamp(-127, 127).to(torch.int8), s
+
+
+def run_methods(name, x, w, b, y_bf16, methods, log):
+    """Every kernels.linear method at one shape (public API, quantisation included), and the
+    baselines that only make sense beside a method (cuBLAS INT8, ComfyUI's FP8-weight upcast)."""
+    m, k = x.shape
+    n = w.shape[0]
+    flops = 2.0 * m * n * k
+    res = {}
+
+    def timed(key, fn):
+        try:
+            res[key] = bench(fn)
+            res[key.replace("_ms", "_tflops")] = flops / res[key] / 1e9
+        except Exception as e:
+            res[key + "_error"] = f"{type(e).__name__}: {e}"[:300]
+            log(traceback.format_exc()[-1500:])
+
+    # ComfyUI's FP8 checkpoints: e4m3 weights with a per-tensor scale_weight.
+    s_w = (w.float().abs().max() / 448.0).clamp_min(1e-12)
+    w8 = (w.float() / s_w).clamp(-448, 448).to(torch.float8_e4m3fn)
+    for method in methods:
+        reason = kernels.linear_refusal(method, x.device, x.dtype)
+        if reason is not None:
+            res[f"{method}_refused"] = reason
+            continue
+        try:
+            t = time.time()
+            p = kernels.prepare_weight(w, method)
+            torch.cuda.synchronize()
+            res[f"{method}_prepare_s"] = time.time() - t
+            y = kernels.linear(x, p, b)
+            res[f"{method}_rel_bf16"] = rel_l2(y, y_bf16)
+            res[f"{method}_finite"] = bool(torch.isfinite(y).all())
+            timed(f"{method}_ms", lambda p=p: kernels.linear(x, p, b))
+            if method == "int8_w8a8":  # the rotation + quantisation alone (two passes over x)
+                timed("int8_quant_ms", lambda p=p: linear_int8.quantize_activation(x, p.rotation))
+            if method == "fp8_weight_only":  # the same kernel on the checkpoint's own FP8 weight
+                p8 = kernels.prepare_weight(w8, method, weight_scale=s_w)
+                res["fp8_weight_only_ckpt_rel_bf16"] = rel_l2(kernels.linear(x, p8, b), y_bf16)
+                timed("fp8_weight_only_ckpt_ms", lambda: kernels.linear(x, p8, b))
+            del p
+        except Exception as e:
+            res[f"{method}_error"] = f"{type(e).__name__}: {e}"[:300]
+            log(traceback.format_exc()[-1500:])
+    try:  # what the rotation buys: plain per-token / per-channel INT8 through the same kernels
+        q, s, _ = linear_int8.quantize_weight(w.float(), rotate=False)
+        res["int8_plain_rel_bf16"] = rel_l2(linear_int8.run_linear(x, q, s, b, 0, torch.bfloat16), y_bf16)
+    except Exception as e:
+        res["int8_plain_error"] = f"{type(e).__name__}: {e}"[:300]
+    try:  # cuBLAS INT8 (torch._int_mm) with a separate eager quantisation, no rotation
+        wq, ws = _int8_rows(w)
+
+        def int_mm_full():
+            xq, xs = _int8_rows(x)
+            return (torch._int_mm(xq, wq.t()).float() * xs * ws.t() + b.float()).to(torch.bfloat16)
+
+        res["int_mm_quant_rel_bf16"] = rel_l2(int_mm_full(), y_bf16)
+        timed("int_mm_quant_ms", int_mm_full)
+    except Exception as e:
+        res["int_mm_error"] = f"{type(e).__name__}: {e}"[:300]
+    # ComfyUI without fp8_e4m3fn_fast: upcast weight x scale_weight to BF16 on every call.
+    timed("comfy_fp8_upcast_ms", lambda: F.linear(x, w8.to(torch.bfloat16) * s_w.to(torch.bfloat16), b))
+    log(f"  methods {name} {res}")
     return res
 
 
@@ -227,11 +310,43 @@ def fmt(v, p=2):
     return "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
 
 
+def methods_table(report, log):
+    """Every method per shape: TFLOP/s incl. quantisation, x cuBLAS BF16, rel. L2 vs BF16."""
+    log("\nkernels.linear methods (TFLOP/s incl. activation quantisation, bf16 in/out, bias; rel. L2 vs "
+        "cuBLAS BF16 on activations with 8 channels x20)")
+    hdr = ("shape", "cuBLAS bf16", "smm row+q", "fp8 w8a8", "int8 w8a8", "fp8 w-only", "w-only ckpt",
+           "comfy fp8 upcast", "int_mm+q", "x cuBLAS fp8", "x cuBLAS int8", "x cuBLAS w-only", "x smm row+q fp8",
+           "int8 quant ms", "relL2 fp8", "relL2 int8", "relL2 int8 plain", "relL2 w-only", "relL2 int_mm")
+    log(" | ".join(hdr))
+    for r in report["shapes"]:
+        mt = r.get("methods") or {}
+        base, row = r.get("cublas_bf16_ms"), r.get("scaled_mm_rowwise_quant_ms")
+
+        def ratio(ref, key):
+            return ref / mt[key] if ref and mt.get(key) else None
+
+        log(" | ".join([r["shape"], fmt(r.get("cublas_bf16_tflops"), 0), fmt(r.get("scaled_mm_rowwise_quant_tflops"), 0),
+                        fmt(mt.get("fp8_w8a8_tflops"), 0), fmt(mt.get("int8_w8a8_tflops"), 0),
+                        fmt(mt.get("fp8_weight_only_tflops"), 0), fmt(mt.get("fp8_weight_only_ckpt_tflops"), 0),
+                        fmt(mt.get("comfy_fp8_upcast_tflops"), 0), fmt(mt.get("int_mm_quant_tflops"), 0),
+                        fmt(ratio(base, "fp8_w8a8_ms")), fmt(ratio(base, "int8_w8a8_ms")),
+                        fmt(ratio(base, "fp8_weight_only_ms")), fmt(ratio(row, "fp8_w8a8_ms")),
+                        fmt(mt.get("int8_quant_ms"), 3),
+                        fmt(mt.get("fp8_w8a8_rel_bf16"), 4), fmt(mt.get("int8_w8a8_rel_bf16"), 4),
+                        fmt(mt.get("int8_plain_rel_bf16"), 4), fmt(mt.get("fp8_weight_only_rel_bf16"), 4),
+                        fmt(mt.get("int_mm_quant_rel_bf16"), 4)]))
+        for key in sorted(mt):
+            if key.endswith(("_error", "_refused")):
+                log(f"  {r['shape']} {key}: {mt[key]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--methods", default=",".join(kernels.LINEAR_METHODS),
+                    help="kernels.linear methods to time per shape (empty: none)")
     args = ap.parse_args()
     t0 = time.time()
     lines = []
@@ -258,16 +373,17 @@ def main():
     for name in args.shapes.split(","):
         m, k, n = SHAPES[name]
         try:
-            report["shapes"].append(run_shape(name, m, k, n, gen, not args.no_sweep, log))
+            report["shapes"].append(run_shape(name, m, k, n, gen, not args.no_sweep, log,
+                                              [mt for mt in args.methods.split(",") if mt]))
         except Exception:
             log(f"{name} failed:\n{traceback.format_exc()[-2000:]}")
         torch.cuda.empty_cache()
         log(f"  {name} done at {time.time() - t0:.0f}s")
         Path(args.out).mkdir(parents=True, exist_ok=True)  # partial results survive a timeout
-        (Path(args.out) / "linear_fp8.json").write_text(json.dumps(report, indent=1))
+        (Path(args.out) / "linear.json").write_text(json.dumps(report, indent=1))
     report["seconds"] = time.time() - t0
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "linear_fp8.json").write_text(json.dumps(report, indent=1))
+    (Path(args.out) / "linear.json").write_text(json.dumps(report, indent=1))
 
     log("\nTFLOP/s (do_bench medians, bf16 in/out, bias; ours = activation quantisation + GEMM)")
     hdr = ("shape", "ours", "ours again", "ours GEMM", "ours best", "quant ms", "cuBLAS bf16", "smm tensor",
@@ -285,8 +401,9 @@ def main():
     for r in report["shapes"]:
         if r.get("best_config"):
             log(f"best {r['shape']}: {r['best_config']}")
+    methods_table(report, log)
     log(f"total {time.time() - t0:.0f}s")
-    (Path(args.out) / "linear_fp8.log").write_text("\n".join(lines) + "\n")
+    (Path(args.out) / "linear.log").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,13 @@ from .attention import OP_QUALNAME, attention, attention_support, call_facts, cl
 from .attention_checks import AttentionInputError
 from .attention_ref import attention_ref
 from .device import DeviceInfo, describe, interpreter_enabled, triton_import_error, triton_version
+from .linear import METHODS as LINEAR_METHODS
+from .linear import LinearInputError, PreparedLinearWeight, linear, linear_refusal, prepare_weight
 from .registry import BackendUnavailableError, NoImplementationError, registry
 
 __all__ = [
     "attention", "attention_support", "attention_ref", "call_facts", "stats", "registry",
     "AttentionInputError", "BackendUnavailableError", "NoImplementationError", "DeviceInfo", "describe",
     "interpreter_enabled", "triton_import_error", "triton_version", "OP_QUALNAME", "clear_caches",
+    "linear", "prepare_weight", "linear_refusal", "LinearInputError", "PreparedLinearWeight", "LINEAR_METHODS",
 ]

@@ -8,6 +8,18 @@ and may be combined with is_causal (top-left aligned, as SDPA's); fully masked q
 give zeros (what SDPA gives on current PyTorch); any finite scale, negative and zero included.
 backend=None picks the best implementation that accepts the call; backend="triton" runs our
 kernel or raises BackendUnavailableError with the reason; backend="torch" runs PyTorch SDPA.
+Quantized backends, lossy, so only ever run when named (the nodes time them against ComfyUI's
+attention and keep one only where it agrees):
+- "triton_fp8" ("fp8", NVIDIA sm_89+): per call the first kernel of gpu_rules.fp8_kernel_order()
+  that accepts it: on sm_90 the warp-specialised Gluon kernel (TRITON_ACCEL_GLUON), on sm_89 /
+  sm_120 INT8 Q.K with FP8 P.V (attention_int8, pv="fp8"), then full FP8 (attention_fp8_full),
+  all three without masks, causal, GQA (Gluon, full) or head dims over 128; every other call
+  the FP8 Q.K kernel (attention_fp8.py: masks, GQA, causal, head dims to 256). fp8_route() says
+  which kernel a call gets and why the others refused it;
+- "triton_int8" ("int8", NVIDIA sm_75+): INT8 Q.K, FP16 P.V (attention_int8, pv="fp16"); no
+  mask, no causal, head dims to 128, GQA.
+precision= is a thin alias of backend=: "fp8" -> "triton_fp8", "int8" -> "triton_int8",
+"fp16" / "bf16" -> "triton" (the dtype still comes from the inputs).
 Invalid calls raise AttentionInputError (a ValueError) with the reason, whatever the backend.
 
 Gradients: the op has a backward (torch.library.register_autograd) that recomputes the
@@ -17,6 +29,7 @@ models and tests, not memory-efficient for video-sized training.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 from typing import Optional
@@ -25,11 +38,12 @@ import torch
 
 from . import attention_short_kv as _short_kv
 from . import attention_triton as _at
-from . import cache_registry, stats, tuning
+from . import cache_registry, env_settings, stats, tuning
 from . import device as _device
 from .attention_checks import AttentionInputError, attention_input_error, check_attention_inputs, check_scale
 from .attention_ref import attention_ref
-from .gpu_rules import min_capability_for
+from .gpu_rules import (FP8_KERNEL_FULL, FP8_KERNEL_GLUON, FP8_KERNEL_INT8_FP8PV, FP8_KERNEL_QK, OPTIONAL_FP8_KERNELS,
+                        fp8_kernel_order, min_capability_for)
 from .kernel_common import interpreter_upcast, is_out_of_resources, shape_class
 from .registry import BackendUnavailableError, Call, Constraints, Implementation, registry
 
@@ -37,8 +51,11 @@ log = logging.getLogger("triton_accel.kernels.attention")  # not __name__: the c
 
 OP = "attention"
 OP_QUALNAME = "triton_accel::attention"
-BACKEND_ALIASES = {"triton": "triton_attention", "fp8": "triton_fp8", "torch": "torch_sdpa", "sdpa": "torch_sdpa",
-                   "reference": "reference_fp32"}
+BACKEND_ALIASES = {"triton": "triton_attention", "fp8": "triton_fp8", "int8": "triton_int8", "torch": "torch_sdpa",
+                   "sdpa": "torch_sdpa", "reference": "reference_fp32"}
+# attention(precision=...) is only another way to name a backend.
+BACKEND_OF_PRECISION = {"fp8": "triton_fp8", "int8": "triton_int8", "fp16": "triton_attention",
+                        "bf16": "triton_attention"}
 ANY_DTYPE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 ANY_DEVICE = frozenset({"cuda", "cpu", "mps", "xpu"})
 
@@ -61,10 +78,13 @@ def attention_support(q, k, v, attn_mask=None, is_causal=False, backend: str = "
     err = attention_input_error(q, k, v, attn_mask)
     if err:
         return False, err
-    impl = registry.get(OP, BACKEND_ALIASES.get(backend, backend))
+    name = BACKEND_ALIASES.get(backend, backend)
+    impl = registry.get(OP, name)
     if impl is None:
         return False, f"unknown backend {backend!r}"
     reason = impl.refusal(call_facts(q, k, v, attn_mask, is_causal))
+    if reason is None and name in _CALL_REFUSALS:
+        reason = _CALL_REFUSALS[name](q, k, v, attn_mask, is_causal)
     return (reason is None), (reason or "ok")
 
 
@@ -121,6 +141,14 @@ def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
         route = _route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter)
         _routes[rkey] = route
     kind, info_or_config = route
+    if kind == "gluon_bf16":
+        out = _gluon_bf16(q, k, v, scale)
+        if out is not None:
+            return out
+        route = _flash_route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter)
+        kind, info_or_config = route
+        if _gluon_bf16_disabled.get(q.device):
+            _routes[rkey] = route
     if kind == "short_kv":
         try:
             out = _short_kv.attention_short_kv(q, k, v, scale, info_or_config, interpreter)
@@ -148,6 +176,15 @@ def _route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter):
     if refusal is None:
         return "short_kv", info
     _short_kv_refusals[rkey] = refusal
+    if not interpreter and q.is_cuda and gluon_bf16_refusal(q, k, v, attn_mask, is_causal) is None:
+        return "gluon_bf16", None
+    return _flash_route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter)
+
+
+def _flash_route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter):
+    """("flash", config): the plain-Triton flash kernel, its config tuned per shape class."""
+    info = _device.describe(q.device)
+    D, Lk = q.shape[-1], k.shape[2]
     mask = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "add")
     cls = shape_class(q.dtype, D, Lk, mask, is_causal, gqa=k.shape[1] != q.shape[1])
     config = _at.default_config(info, D, Lk, interpreter)
@@ -160,14 +197,62 @@ def _route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter):
     return "flash", config
 
 
-_routes: dict = {}  # route key -> ("short_kv", device info) or ("flash", config)
+# ---- the warp-specialised Gluon BF16/FP16 kernel (sm_90) behind "triton_attention" ----------
+# Measured on the H200 (benchmarks/results/h200_2026-12-02_gluon_bf16_run*): 0.95-1.17x SDPA-cuDNN
+# at Flux/Wan/Hunyuan, head dim 256 and GQA, where the plain-Triton kernel gives 0.53-0.91x.
+# It serves unmasked, non-causal calls whose tensors TMA can read in place; everything else,
+# and every GPU but sm_90, keeps the plain-Triton kernels below.
+GLUON_BF16_NAMES = ("attention_gluon_bf16", "gluon_bf16_refusal", "call_refusal")
+_gluon_bf16_disabled: dict = {}  # device -> why the kernel failed on its first call there
+_gluon_bf16_ok: dict = {}  # device -> True once a call has succeeded there
+
+
+def gluon_bf16_refusal(q, k, v, attn_mask=None, is_causal=False) -> str | None:
+    """Why the Gluon BF16 kernel does not serve this call (None: it does)."""
+    mod, why = _kernel_module("attention_gluon_hopper_bf16", GLUON_BF16_NAMES)
+    if why:
+        return why
+    if not env_settings.gluon_allowed():
+        return f"{env_settings.GLUON} is off"
+    disabled = _gluon_bf16_disabled.get(q.device)
+    if disabled:
+        return disabled
+    return _asked(mod.gluon_bf16_refusal, q.device) or _asked(mod.call_refusal, q, k, v, attn_mask, is_causal)
+
+
+def _gluon_bf16(q, k, v, scale):
+    """The Gluon kernel's output, or None when this call must take the flash kernel instead
+    (a layout TMA cannot read, which the route key does not capture; or a first-call failure
+    on this device, logged once and remembered)."""
+    mod = _modules["attention_gluon_hopper_bf16"][0]
+    if mod.call_refusal(q, k, v) is not None:
+        return None
+    try:
+        out = mod.attention_gluon_bf16(q, k, v, scale=scale)
+    except Exception as e:
+        if _gluon_bf16_ok.get(q.device):
+            raise  # it ran here before: a real error, not an unsupported Triton or driver
+        _gluon_bf16_disabled[q.device] = f"failed on its first call: {type(e).__name__}: {str(e)[:200]}"
+        log.warning("Triton Accel: the Gluon BF16 attention kernel failed on %s (%s); using the plain-Triton "
+                    "kernel there", q.device, _gluon_bf16_disabled[q.device])
+        return None
+    _gluon_bf16_ok[q.device] = True
+    stats.increment("triton_attention.gluon_bf16")
+    return out
+
+
+_routes: dict = {}  # route key -> ("short_kv", device info), ("gluon_bf16", None) or ("flash", config)
 _short_kv_refusals: dict = {}  # route key -> why the short-key kernel does not serve it
 # Diffusion models repeat the same few attention calls thousands of times; remembering the
 # decision per call signature keeps validation and selection off the hot path (they cost
 # tens of microseconds, as much as a small cross-attention kernel).
 _decisions: dict = {}
 _MAX_DECISIONS = 4096
-for _name, _cache in (("routes", _routes), ("short_kv_refusals", _short_kv_refusals), ("decisions", _decisions)):
+_fp8_routes: dict = {}  # FP8 call signature -> the kernel of the FP8 path that serves it
+_fp8_optional: dict = {}  # device -> the optional FP8 kernels that run there
+for _name, _cache in (("routes", _routes), ("short_kv_refusals", _short_kv_refusals), ("decisions", _decisions),
+                      ("fp8_routes", _fp8_routes), ("fp8_optional", _fp8_optional),
+                      ("gluon_bf16_disabled", _gluon_bf16_disabled), ("gluon_bf16_ok", _gluon_bf16_ok)):
     cache_registry.register(f"kernels.attention.{_name}", _cache.clear)
 
 
@@ -175,6 +260,166 @@ def clear_caches() -> None:
     """Forget every remembered decision, route, config and launch plan of the pack (after
     changing env vars or the registry): every module-level cache registers with cache_registry."""
     cache_registry.clear_all()
+
+
+# ---- quantized backends: "triton_fp8" (four kernels) and "triton_int8" --------------------
+# Kernel files written by separate work may be absent from a build or may not offer the names
+# used here: they are loaded on first use, and a missing one leaves its backend (or its FP8
+# variant) unavailable with the reason, never an import error of the pack.
+INT8_NAMES = ("attention_int8", "call_refusal", "device_refusal", "registry_constraints")
+GLUON_NAMES = ("attention_gluon_fp8", "gluon_refusal", "call_refusal")
+FP8_FULL_NAMES = ("attention_fp8_full", "call_refusal")
+_modules: dict = {}  # module name -> (module or None, why not)
+cache_registry.register("kernels.attention.kernel_modules", _modules.clear)
+
+
+def _kernel_module(module: str, names: tuple):
+    """(module, None), or (None, why) when kernels/<module>.py is absent, fails to import or lacks `names`."""
+    found = _modules.get(module)
+    if found is None:
+        try:
+            mod = importlib.import_module(f".{module}", __package__)
+        except Exception as e:  # absent, or it needs something this Triton lacks
+            found = (None, f"kernels/{module}.py cannot be imported here ({type(e).__name__}: {e})")
+        else:
+            missing = [n for n in names if not callable(getattr(mod, n, None))]
+            found = (None, f"kernels/{module}.py lacks {', '.join(missing)}") if missing else (mod, None)
+        _modules[module] = found
+    return found
+
+
+def _asked(fn, *args) -> str | None:
+    """A kernel module's refusal function, whose own failure is a refusal too (never raised in a sampler)."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return f"{getattr(fn, '__qualname__', fn)} failed: {type(e).__name__}: {e}"
+
+
+def fp8_kernel_refusals(device) -> dict:
+    """Why each of gpu_rules.OPTIONAL_FP8_KERNELS cannot run on `device` (None: it can)."""
+    device = torch.device(device)
+    gluon, why_gluon = _kernel_module("attention_gluon_hopper", GLUON_NAMES)
+    if gluon is not None and not env_settings.gluon_allowed():
+        why_gluon = f"{env_settings.GLUON} is off"
+    int8, why_int8 = _kernel_module("attention_int8", INT8_NAMES)
+    return {FP8_KERNEL_GLUON: why_gluon or _asked(gluon.gluon_refusal, device),
+            FP8_KERNEL_INT8_FP8PV: why_int8 or _asked(int8.device_refusal, device, "fp8")}
+
+
+def fp8_kernels_available(device) -> frozenset:
+    """The optional FP8 kernels that can run on `device` (what the Settings node's facts carry)."""
+    key = str(torch.device(device))
+    found = _fp8_optional.get(key)
+    if found is None:
+        found = frozenset(name for name, why in fp8_kernel_refusals(device).items() if why is None)
+        _fp8_optional[key] = found
+    return found
+
+
+def _fp8_call_refusal(kernel: str, q, k, v, attn_mask, is_causal) -> str | None:
+    if kernel == FP8_KERNEL_QK:
+        return None  # the registry's constraints for "triton_fp8" are this kernel's
+    if k.shape[2] == 0 or q.shape[2] == 0:
+        return "empty sequence"
+    module, names = {FP8_KERNEL_GLUON: ("attention_gluon_hopper", GLUON_NAMES),
+                     FP8_KERNEL_INT8_FP8PV: ("attention_int8", INT8_NAMES),
+                     FP8_KERNEL_FULL: ("attention_fp8_full", FP8_FULL_NAMES)}[kernel]
+    mod, why = _kernel_module(module, names)
+    return why or _asked(mod.call_refusal, q, k, v, attn_mask, is_causal)
+
+
+def fp8_route(q, k, v, attn_mask=None, is_causal=False) -> tuple:
+    """(kernel, {refused kernel: why}): which of the FP8 path's kernels serves this call, taking
+    gpu_rules.fp8_kernel_order() for the device and the first whose limits accept the call."""
+    info = _device.describe(q.device)
+    capability = info.capability if info.vendor == "nvidia" else None
+    refusals = {}
+    for kernel in fp8_kernel_order(capability, fp8_kernels_available(q.device)):
+        reason = _fp8_call_refusal(kernel, q, k, v, attn_mask, is_causal)
+        if reason is None:
+            return kernel, refusals
+        refusals[kernel] = reason
+    raise AssertionError("fp8_kernel_order always ends with the FP8 Q.K kernel")
+
+
+def _run_fp8_kernel(kernel, q, k, v, attn_mask, scale, is_causal):
+    if kernel == FP8_KERNEL_QK:
+        from . import attention_fp8
+
+        return attention_fp8.registry_fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+    if kernel == FP8_KERNEL_FULL:
+        return _kernel_module("attention_fp8_full", FP8_FULL_NAMES)[0].attention_fp8_full(q, k, v, None, scale)
+    if kernel == FP8_KERNEL_GLUON:
+        return _kernel_module("attention_gluon_hopper", GLUON_NAMES)[0].attention_gluon_fp8(q, k, v, scale=scale)
+    return _kernel_module("attention_int8", INT8_NAMES)[0].attention_int8(q, k, v, None, scale, False, pv="fp8")
+
+
+def _fp8(q, k, v, attn_mask=None, scale=None, is_causal=False):
+    rkey = (q.device, q.dtype, q.shape[-1], v.shape[-1], k.shape[1] != q.shape[1],
+            None if attn_mask is None else attn_mask.dtype, bool(is_causal), k.shape[2] == 0 or q.shape[2] == 0)
+    kernel = _fp8_routes.get(rkey)
+    if kernel is not None:
+        stats.increment(f"triton_fp8.{kernel}")
+        return _run_fp8_kernel(kernel, q, k, v, attn_mask, scale, is_causal)
+    kernel, refusals = fp8_route(q, k, v, attn_mask, is_causal)
+    try:
+        out = _run_fp8_kernel(kernel, q, k, v, attn_mask, scale, is_causal)
+    except Exception as e:
+        # An optional kernel that fails on its first call here (a Triton whose Gluon compiles
+        # differently, a GPU short of shared memory) leaves the FP8 path to the next kernel.
+        if kernel not in OPTIONAL_FP8_KERNELS:
+            raise
+        log.warning("Triton Accel: %s failed on %s (%s: %s); the FP8 path uses the next kernel there",
+                    kernel, q.device, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        _fp8_optional[str(q.device)] = fp8_kernels_available(q.device) - {kernel}
+        return _fp8(q, k, v, attn_mask, scale, is_causal)
+    log.debug("FP8 path on %s: %s (refused: %s)", q.device, kernel, refusals or "none")
+    _fp8_routes[rkey] = kernel
+    stats.increment(f"triton_fp8.{kernel}")
+    return out
+
+
+def _int8(q, k, v, attn_mask=None, scale=None, is_causal=False):
+    mod = _kernel_module("attention_int8", INT8_NAMES)[0]
+    return mod.attention_int8(q, k, v, attn_mask, scale, is_causal, pv="fp16")
+
+
+def _int8_call_refusal(q, k, v, attn_mask, is_causal) -> str | None:
+    mod, why = _kernel_module("attention_int8", INT8_NAMES)
+    if why:
+        return why
+    return _asked(mod.call_refusal, q, k, v, attn_mask, is_causal) or _asked(mod.device_refusal, q.device, "fp16")
+
+
+# Per-call limits of a backend beyond what its registry Constraints can say (the INT8 kernel's
+# checks on the tensors themselves); attention_support and named dispatch both ask them.
+_CALL_REFUSALS = {"triton_int8": _int8_call_refusal}
+
+
+def int8_implementation(triton_error) -> Implementation:
+    """The "triton_int8" registry entry: attention_int8 with FP16 P.V, or unavailable with the reason."""
+    int8, why = _kernel_module("attention_int8", INT8_NAMES)
+    constraints = Constraints(device_types=frozenset({"cuda"}))
+    if int8 is not None:
+        try:
+            constraints = int8.registry_constraints()
+        except Exception as e:
+            why = f"kernels/attention_int8.py registry_constraints() failed: {type(e).__name__}: {e}"
+    return Implementation(name="triton_int8", op=OP, fn=_int8, priority=-50, constraints=constraints,
+                          unavailable=triton_error or why)
+
+
+def _register_quantized(triton_error) -> None:
+    # Lossy, so never picked by priority: only by name ("fp8", "int8"), which the nodes do after
+    # timing them against ComfyUI's attention and checking the outputs agree.
+    from . import attention_fp8 as _fp8_qk
+
+    registry.register(Implementation(
+        name="triton_fp8", op=OP, fn=_fp8, priority=-50,
+        constraints=_fp8_qk.registry_constraints(), unavailable=triton_error,
+    ))
+    registry.register(int8_implementation(triton_error))
 
 
 def _register_implementations() -> None:
@@ -188,14 +433,7 @@ def _register_implementations() -> None:
             min_capability=min_capability_for(_device.triton_version()), head_dims=(1, 256)),
         unavailable=triton_error,
     ))
-    # Lossy (e4m3 Q.K), so it is never picked by priority: only by name ("fp8"), which the
-    # nodes do after timing it against ComfyUI's attention and checking the outputs agree.
-    from . import attention_fp8 as _fp8
-
-    registry.register(Implementation(
-        name="triton_fp8", op=OP, fn=_fp8.registry_fn, priority=-50,
-        constraints=_fp8.registry_constraints(), unavailable=triton_error,
-    ))
+    _register_quantized(triton_error)
     registry.register(Implementation(
         name="torch_sdpa", op=OP, fn=_torch_sdpa, priority=0,
         constraints=Constraints(device_types=ANY_DEVICE, dtypes=ANY_DTYPE, head_dims=(1, 1 << 20),
@@ -230,6 +468,10 @@ def _dispatch(q, k, v, attn_mask, scale, is_causal, backend):
         check_attention_inputs(q, k, v, attn_mask, scale)
         name = None if backend in (None, "auto") else BACKEND_ALIASES.get(backend, backend)
         impl = registry.select(OP, call_facts(q, k, v, attn_mask, is_causal), name=name)
+        refusal = _CALL_REFUSALS.get(impl.name)
+        reason = refusal(q, k, v, attn_mask, is_causal) if refusal is not None else None
+        if reason:
+            raise BackendUnavailableError(OP, impl.name, reason)
         if len(_decisions) > _MAX_DECISIONS:
             _decisions.clear()
         _decisions[key] = impl
@@ -310,8 +552,20 @@ def _register_op() -> None:
 _register_op()
 
 
-def attention(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None):
+def backend_of_precision(precision: str, backend=None):
+    """The backend `precision` names ("fp8", "int8", "fp16"/"bf16"); a different explicit backend is an error."""
+    name = BACKEND_OF_PRECISION.get(precision)
+    if name is None:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {sorted(BACKEND_OF_PRECISION)}")
+    if backend is not None and BACKEND_ALIASES.get(backend, backend) != name:
+        raise ValueError(f"precision={precision!r} names backend {name!r}, but backend={backend!r} was given")
+    return name
+
+
+def attention(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None, precision=None):
     """softmax(q k^T * scale + mask) v for [B, H, L, D] tensors; see the module docstring."""
+    if precision is not None:
+        backend = backend_of_precision(precision, backend)
     if scale is not None and (type(scale) is not float or not math.isfinite(scale)):
         check_scale(scale)  # raises unless a finite number
         scale = float(scale)
@@ -326,5 +580,6 @@ def attention(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None
     return _shared_dispatch(q, k, v, attn_mask, scale, bool(is_causal), backend)
 
 
-__all__ = ["attention", "attention_support", "call_facts", "clear_caches", "empty_output",
+__all__ = ["attention", "attention_support", "call_facts", "clear_caches", "empty_output", "backend_of_precision",
+           "fp8_route", "fp8_kernels_available", "fp8_kernel_refusals", "int8_implementation",
            "AttentionInputError", "BackendUnavailableError", "OP_QUALNAME"]

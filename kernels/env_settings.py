@@ -26,6 +26,7 @@ INTERPRET_TRUE_WORDS = frozenset({"1", "true", "on", "yes"})
 AUTOTUNE = "TRITON_ACCEL_AUTOTUNE"
 FAST_LAUNCH = "TRITON_ACCEL_FAST_LAUNCH"
 CACHE_DIR = "TRITON_ACCEL_CACHE_DIR"
+GLUON = "TRITON_ACCEL_GLUON"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 
@@ -48,6 +49,10 @@ SETTINGS = (
             "Folder of the pack's two caches, tuning-v1.json and attention_speed.json. Unset: "
             "the tuning cache lives in $XDG_CACHE_HOME/triton_accel (else ~/.cache/triton_accel), "
             "the speed cache in ComfyUI's user folder, user/triton_accel (else ~/.cache/triton_accel)."),
+    Setting(GLUON, "auto",
+            "The FP8 path on sm_90 runs the warp-specialised Gluon kernel where the installed Triton "
+            "has Gluon and the kernel compiles there; off (any false word): always the plain-Triton "
+            "full-FP8 kernel. Any other value means auto."),
 )
 
 
@@ -76,6 +81,12 @@ def fast_launch_enabled() -> bool:
 def cache_dir() -> str | None:
     """TRITON_ACCEL_CACHE_DIR, or None: each cache then picks its own default folder."""
     return text(CACHE_DIR)
+
+
+def gluon_allowed() -> bool:
+    """TRITON_ACCEL_GLUON: "auto" (unset, or any value but a false word) lets the FP8 path use the
+    Gluon kernel where it can run; a false word keeps the plain-Triton kernel."""
+    return flag(GLUON, True)
 
 
 def user_cache_root() -> str:

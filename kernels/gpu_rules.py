@@ -13,7 +13,12 @@ Rules, each with a code the callers compare (never the message text):
   sm_75 needs Triton <= 3.2. Older than sm_75 (GTX 10xx, sm_61): never.
 - Blackwell (sm_100, sm_120): Triton >= 3.3 (first release with its backend) and torch >= 2.7
   built for CUDA >= 12.8.
-- FP8 tensor cores (e4m3 dots): sm_89 and newer. bf16 dots: sm_80 and newer.
+- FP8 tensor cores (e4m3 dots): sm_89 and newer. bf16 dots: sm_80 and newer. INT8 dots: sm_75+.
+- auto times, per shape class, these paths against ComfyUI's attention (auto_candidates):
+  sm_90 / sm_100: FP8, FP16/BF16; sm_89 / sm_120: FP8 (INT8 Q.K + FP8 P.V where the INT8
+  kernel offers it, else full FP8), INT8, FP16/BF16; sm_80 / sm_86 / sm_87 and sm_75 with
+  Triton <= 3.2: INT8, FP16/BF16. A quantized path is kept only where it measured faster and
+  agreed with ComfyUI's output (nodes/speed_choice.py).
 - AMD (ROCm): our kernels compile for gfx942 / gfx1100 but have not run on AMD hardware
   here, so `auto` keeps PyTorch attention and `fp16` forces them.
 - Intel and other devices: PyTorch attention. CPU: PyTorch attention; the Triton
@@ -26,16 +31,38 @@ from typing import Dict, FrozenSet, Optional, Tuple
 
 # ---- path names: one spelling everywhere (nodes, install.py's report, stats) --------------
 PATH_TRITON_FP16 = "triton_fp16"  # our FP16/BF16 (and FP32) flash attention
-PATH_TRITON_FP8 = "triton_fp8"  # FP8 Q.K attention, sm_89+
+PATH_TRITON_FP8 = "triton_fp8"  # FP8 attention (full FP8, Gluon, INT8 Q.K + FP8 P.V, FP8 Q.K), sm_89+
+PATH_TRITON_INT8 = "triton_int8"  # INT8 Q.K, FP16 P.V (SageAttention 1 recipe), sm_75+
 PATH_PYTORCH = "pytorch"  # ComfyUI's own attention (PyTorch SDPA or whatever it chose)
-PATHS = (PATH_TRITON_FP8, PATH_TRITON_FP16, PATH_PYTORCH)
+PATHS = (PATH_TRITON_FP8, PATH_TRITON_INT8, PATH_TRITON_FP16, PATH_PYTORCH)
+# Every path our kernels serve: what a complete build of the pack ships (install.py assumes it).
+TRITON_PATHS = frozenset({PATH_TRITON_FP8, PATH_TRITON_INT8, PATH_TRITON_FP16})
 # The kernel registry's implementation name for each Triton path.
-BACKEND_OF_PATH: Dict[str, str] = {PATH_TRITON_FP16: "triton_attention", PATH_TRITON_FP8: "triton_fp8"}
+BACKEND_OF_PATH: Dict[str, str] = {PATH_TRITON_FP16: "triton_attention", PATH_TRITON_FP8: "triton_fp8",
+                                   PATH_TRITON_INT8: "triton_int8"}
 # Paths whose numbers differ from ComfyUI's beyond rounding: used only where measured and checked.
-LOSSY_PATHS = frozenset({PATH_TRITON_FP8})
-PATH_LABEL = {PATH_TRITON_FP16: "Triton FP16/BF16", PATH_TRITON_FP8: "Triton FP8", PATH_PYTORCH: "PyTorch"}
+LOSSY_PATHS = frozenset({PATH_TRITON_FP8, PATH_TRITON_INT8})
+PATH_LABEL = {PATH_TRITON_FP16: "Triton FP16/BF16", PATH_TRITON_FP8: "Triton FP8", PATH_TRITON_INT8: "Triton INT8",
+              PATH_PYTORCH: "PyTorch"}
 
-MODES = ("auto", "fp8", "fp16", "off")
+# Saved workflows store the mode by value: never rename or drop one.
+MODES = ("auto", "fp8", "int8", "fp16", "off")
+
+# The kernels that may serve PATH_TRITON_FP8 (kernels/attention.py picks one per call, in the
+# order fp8_kernel_order() gives, the first whose limits accept the call).
+FP8_KERNEL_GLUON = "fp8_gluon"  # Q.K and P.V in e4m3, warp-specialised Gluon kernel (sm_90)
+FP8_KERNEL_INT8_FP8PV = "int8_fp8pv"  # INT8 Q.K, e4m3 P.V with FP16 accumulation in a block (Sage2++)
+FP8_KERNEL_FULL = "fp8_full"  # Q.K and P.V in e4m3, plain Triton; no mask, causal or GQA, head dim <= 128
+FP8_KERNEL_QK = "fp8_qk"  # e4m3 Q.K, FP16/BF16 P.V: masks, GQA, causal, head dims to 256
+# Kernels that need more than the FP8 path itself (a Triton with Gluon, the INT8 module's FP8 P.V).
+OPTIONAL_FP8_KERNELS = frozenset({FP8_KERNEL_GLUON, FP8_KERNEL_INT8_FP8PV})
+PRECISION_OF_FP8_KERNEL = {
+    FP8_KERNEL_GLUON: "FP8 Q.K and P.V, warp-specialised Gluon kernel",
+    FP8_KERNEL_INT8_FP8PV: "INT8 Q.K, FP8 P.V with FP16 accumulation",
+    FP8_KERNEL_FULL: "FP8 Q.K and P.V",
+    FP8_KERNEL_QK: "FP8 Q.K, FP16/BF16 P.V",
+}
+PRECISION_OF_PATH = {PATH_TRITON_INT8: "INT8 Q.K, FP16 P.V", PATH_TRITON_FP16: "FP16/BF16"}
 
 # ---- version and capability thresholds ----------------------------------------------------
 MIN_NVIDIA_CAPABILITY = (7, 5)
@@ -47,6 +74,10 @@ BLACKWELL_MIN_TORCH = (2, 7)
 BLACKWELL_MIN_CUDA = (12, 8)
 FP8_MIN_CAPABILITY = (8, 9)
 BF16_MIN_CAPABILITY = (8, 0)
+INT8_MIN_CAPABILITY = (7, 5)  # int8 x int8 -> int32 mma.sync from Turing on
+# wgmma and setmaxnreg are sm_90a instructions (H100 / H200 / H20), absent on sm_100 and sm_120:
+# the Gluon FP8 kernel's only target (kernels/attention_gluon_hopper.py asks this, not a literal).
+GLUON_CAPABILITY = (9, 0)
 
 # Rule codes (the `code` of a Rule); install.py maps them to its findings' codes.
 TRITON_MISSING = "TRITON_MISSING"
@@ -62,6 +93,7 @@ BLACKWELL_TORCH = "GPU_NEEDS_CU128"
 AMD_NOT_VALIDATED = "AMD_NOT_VALIDATED"
 NO_FP8 = "NO_FP8_TENSOR_CORES"
 NO_BF16 = "NO_BF16_TENSOR_CORES"
+NO_INT8 = "NO_INT8_ATTENTION"
 MACOS = "NO_TRITON_OS"
 
 
@@ -91,6 +123,9 @@ class Facts:
     # Paths this build of the pack can run at all (its kernels registered, Triton importable);
     # a path not here is never chosen, whatever the GPU could do.
     implemented: FrozenSet[str] = field(default_factory=lambda: frozenset({PATH_TRITON_FP16}))
+    # OPTIONAL_FP8_KERNELS that can run on this device (kernels.attention.fp8_kernels_available);
+    # None: not known (install.py, before Triton runs), and the reason names both candidates.
+    fp8_kernels: Optional[FrozenSet[str]] = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +236,10 @@ def fp8_capable(facts: Facts) -> bool:
     return facts.vendor == "nvidia" and facts.capability is not None and facts.capability >= FP8_MIN_CAPABILITY
 
 
+def int8_capable(facts: Facts) -> bool:
+    return facts.vendor == "nvidia" and facts.capability is not None and facts.capability >= INT8_MIN_CAPABILITY
+
+
 def capability_refusal(vendor: str, capability: Optional[Tuple[int, int]], name: str,
                        dtype: str = "", fp8: bool = False) -> Optional[Rule]:
     """What the kernel registry asks per call: can this device run a dot of this kind?
@@ -223,6 +262,83 @@ def _where(facts: Facts) -> str:
     return f"{where} ({arch})"
 
 
+def _consumer_fp8(capability: Tuple[int, int]) -> bool:
+    """Ada (sm_89) and consumer Blackwell (sm_120/121): FP8 and INT8 MMAs with FP16 accumulation run
+    at twice the FP32-accumulating rate, so both quantized recipes are worth timing there."""
+    return capability == (8, 9) or capability[0] == 12
+
+
+def auto_candidates(capability: Tuple[int, int]) -> Tuple[str, ...]:
+    """What auto times against ComfyUI's attention on an NVIDIA GPU, best first (before
+    Facts.implemented filters it). Hopper and datacenter Blackwell accumulate FP8 in FP32 at full
+    rate, so INT8 Q.K buys nothing over full FP8 there; Ampere and Turing (sm_75, Triton <= 3.2:
+    triton_blocker refuses newer) have no FP8 tensor cores, and INT8 runs at twice FP16."""
+    if capability >= FP8_MIN_CAPABILITY:
+        if _consumer_fp8(capability):
+            return (PATH_TRITON_FP8, PATH_TRITON_INT8, PATH_TRITON_FP16)
+        return (PATH_TRITON_FP8, PATH_TRITON_FP16)
+    return (PATH_TRITON_INT8, PATH_TRITON_FP16)
+
+
+def fp8_kernel_order(capability: Optional[Tuple[int, int]], optional: FrozenSet[str]) -> Tuple[str, ...]:
+    """The FP8 path's kernels, best first, on this GPU given the OPTIONAL_FP8_KERNELS that run here.
+
+    sm_90: the warp-specialised Gluon kernel; sm_89/sm_120: INT8 Q.K with FP8 P.V accumulated in
+    FP16 inside a block (SageAttention 2++); everywhere: the plain full-FP8 kernel, then the FP8 Q.K
+    kernel for what the others refuse (masks, causal, GQA, head dims over 128)."""
+    first: Tuple[str, ...] = ()
+    if capability == GLUON_CAPABILITY and FP8_KERNEL_GLUON in optional:
+        first = (FP8_KERNEL_GLUON,)
+    elif capability is not None and _consumer_fp8(capability) and FP8_KERNEL_INT8_FP8PV in optional:
+        first = (FP8_KERNEL_INT8_FP8PV,)
+    return first + (FP8_KERNEL_FULL, FP8_KERNEL_QK)
+
+
+def fp8_precision(facts: Facts) -> str:
+    """The precision the FP8 path runs at on this device, in words."""
+    if facts.fp8_kernels is None:  # not known yet (install.py): what runs where it can
+        best = fp8_kernel_order(facts.capability, OPTIONAL_FP8_KERNELS)[0]
+        if best in OPTIONAL_FP8_KERNELS:
+            return (f"{PRECISION_OF_FP8_KERNEL[best]} where available, "
+                    f"else {PRECISION_OF_FP8_KERNEL[FP8_KERNEL_FULL]}")
+        return PRECISION_OF_FP8_KERNEL[FP8_KERNEL_FULL]
+    return PRECISION_OF_FP8_KERNEL[fp8_kernel_order(facts.capability, facts.fp8_kernels)[0]]
+
+
+def path_label(path: str, facts: Facts) -> str:
+    """'Triton FP8 (FP8 Q.K and P.V)': the path and, for a quantized one, the precision that runs."""
+    if path == PATH_TRITON_FP8:
+        return f"{PATH_LABEL[path]} ({fp8_precision(facts)})"
+    if path == PATH_TRITON_INT8:
+        return f"{PATH_LABEL[path]} ({PRECISION_OF_PATH[path]})"
+    return PATH_LABEL[path]
+
+
+def _joined(names) -> str:
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _forced_quantized(facts: Facts, mode: str, where: str) -> Decision:
+    """fp8 / int8 forced on a GPU: that path (FP16/BF16 for the calls it cannot serve), or FP16/BF16
+    with "<mode> asked, but ..." where it cannot run."""
+    path = PATH_TRITON_FP8 if mode == "fp8" else PATH_TRITON_INT8
+    if mode == "fp8" and not fp8_capable(facts):
+        return Decision(PATH_TRITON_FP16, f"fp8 asked, but {where} has no FP8 tensor cores "
+                                          "(needs sm_89+): using Triton FP16/BF16 instead",
+                        code=NO_FP8, overridden=True)
+    if mode == "int8" and not int8_capable(facts):
+        return Decision(PATH_TRITON_FP16, f"int8 asked, but our INT8 attention runs on NVIDIA sm_75+ only "
+                                          f"({where}): using Triton FP16/BF16 instead",
+                        code=NO_INT8, overridden=True)
+    if path not in facts.implemented:
+        return Decision(PATH_TRITON_FP16, f"{mode} asked, but the {mode.upper()} kernel cannot run here: "
+                                          "using Triton FP16/BF16 instead", overridden=True)
+    return Decision(path, f"{mode} forced on {where}: {path_label(path, facts)} "
+                          "(Triton FP16/BF16 for calls it cannot serve)",
+                    candidates=(path, PATH_TRITON_FP16))
+
+
 def select_path(facts: Facts, mode: str = "auto") -> Decision:
     """The attention path for one device, with the reason a user reads on the node."""
     if mode not in MODES:
@@ -241,44 +357,40 @@ def select_path(facts: Facts, mode: str = "auto") -> Decision:
         if not forced:
             return Decision(PATH_PYTORCH, "PyTorch fallback: no GPU (the Triton interpreter is for tests; "
                                           "choose fp16 to force it)", code=INTERPRETER_ONLY)
-        return Decision(PATH_TRITON_FP16, f"{mode} forced on the CPU through TRITON_INTERPRET=1: "
-                                          "Triton FP16/BF16 kernel in the interpreter (tests only, very slow)",
-                        overridden=mode == "fp8")
+        if mode != "fp16":
+            return Decision(PATH_TRITON_FP16, f"{mode} asked, but on the CPU (TRITON_INTERPRET=1) only the "
+                                              "Triton FP16/BF16 kernel runs, in the interpreter (tests only, "
+                                              "very slow)", overridden=True)
+        return Decision(PATH_TRITON_FP16, "fp16 forced on the CPU through TRITON_INTERPRET=1: "
+                                          "Triton FP16/BF16 kernel in the interpreter (tests only, very slow)")
 
     if facts.vendor == "amd" and not forced:
         return Decision(PATH_PYTORCH, f"PyTorch attention: our kernels are not validated on AMD GPUs yet "
                                       f"({where}); choose fp16 to try them", code=AMD_NOT_VALIDATED)
-
-    fp8 = fp8_capable(facts) and PATH_TRITON_FP8 in facts.implemented
-    if mode == "fp8":
-        if not fp8_capable(facts):
-            return Decision(PATH_TRITON_FP16, f"fp8 asked, but {where} has no FP8 tensor cores "
-                                              "(needs sm_89+): using Triton FP16/BF16 instead",
-                            code=NO_FP8, overridden=True)
-        if not fp8:
-            return Decision(PATH_TRITON_FP16, "fp8 asked, but the FP8 kernel cannot run here: "
-                                              "using Triton FP16/BF16 instead", overridden=True)
-        return Decision(PATH_TRITON_FP8, f"fp8 forced on {where} (FP16/BF16 for calls FP8 cannot serve)",
-                        candidates=(PATH_TRITON_FP8, PATH_TRITON_FP16))
+    if mode in ("fp8", "int8"):
+        return _forced_quantized(facts, mode, where)
     if mode == "fp16":
         return Decision(PATH_TRITON_FP16, f"fp16 forced: Triton FP16/BF16 attention on {where}")
 
-    if fp8:
-        return Decision(PATH_TRITON_FP8, f"auto: {where} has FP8 tensor cores: Triton FP8 and FP16/BF16 "
-                                         "attention, each timed against ComfyUI's attention per shape; the "
-                                         "fastest that matches it is kept", measure=True,
-                        candidates=(PATH_TRITON_FP8, PATH_TRITON_FP16))
-    return Decision(PATH_TRITON_FP16, f"auto: {where}: Triton FP16/BF16 attention, timed against ComfyUI's "
-                                      "attention per shape; the faster one is kept", measure=True)
+    candidates = tuple(p for p in auto_candidates(facts.capability)
+                       if p == PATH_TRITON_FP16 or p in facts.implemented)
+    if candidates == (PATH_TRITON_FP16,):
+        return Decision(PATH_TRITON_FP16, f"auto: {where}: Triton FP16/BF16 attention, timed against ComfyUI's "
+                                          "attention per shape; the faster one is kept", measure=True)
+    labels = _joined(path_label(p, facts) for p in candidates)
+    return Decision(candidates[0], f"auto: {where}: {labels} attention, each timed against ComfyUI's attention "
+                                   "per shape; the fastest that agrees with it is kept",
+                    measure=True, candidates=candidates)
 
 
 def expected_paths(decision: Decision) -> str:
     """One phrase for install.py's verdict: what auto will try on this device."""
     if decision.path == PATH_PYTORCH:
         return "PyTorch attention"
-    names = " and ".join(PATH_LABEL[p] for p in decision.candidates)
+    names = _joined(PATH_LABEL[p] for p in decision.candidates)
     if decision.measure:
-        return f"{names} attention, each timed against PyTorch's per shape (the faster that agrees is kept)"
+        best = "faster" if len(decision.candidates) == 2 else "fastest"
+        return f"{names} attention, each timed against PyTorch's per shape (the {best} that agrees is kept)"
     return f"{names} attention"
 
 
@@ -306,9 +418,105 @@ def feature_refusal(feature: str, triton_version: Optional[str]) -> Optional[Rul
     return None
 
 
+
+# ---- Linear layers (kernels/linear.py): which quantised matmul each device runs ------------
+
+# Node modes: "fp8" = FP8 W8A8, "int8" = INT8 W8A8, "fp8_weight_only" = FP8 weights
+# dequantised to FP16/BF16 inside the GEMM, "off" = ComfyUI's own Linear layers.
+LINEAR_MODES = ("auto", "fp8", "int8", "fp8_weight_only", "off")
+LINEAR_FP8_W8A8 = "fp8_w8a8"
+LINEAR_INT8_W8A8 = "int8_w8a8"
+LINEAR_FP8_WEIGHT_ONLY = "fp8_weight_only"
+LINEAR_METHODS = (LINEAR_FP8_W8A8, LINEAR_INT8_W8A8, LINEAR_FP8_WEIGHT_ONLY)
+LINEAR_METHOD_OF_MODE = {"fp8": LINEAR_FP8_W8A8, "int8": LINEAR_INT8_W8A8,
+                         "fp8_weight_only": LINEAR_FP8_WEIGHT_ONLY}
+LINEAR_LABEL = {LINEAR_FP8_W8A8: "Triton FP8 W8A8", LINEAR_INT8_W8A8: "Triton INT8 W8A8",
+                LINEAR_FP8_WEIGHT_ONLY: "Triton FP8 weight-only", PATH_PYTORCH: "PyTorch"}
+# int8 x int8 -> int32 tensor cores (mma.sync s8) exist from Turing; Triton's INT8 dot runs
+# from the oldest target it compiles for. The weight-only GEMM computes in FP16/BF16 and is
+# meant for Ampere (sm_80/86), where FP8 weights halve the weight traffic of BF16 ones.
+LINEAR_MIN_CAPABILITY = {LINEAR_FP8_W8A8: FP8_MIN_CAPABILITY, LINEAR_INT8_W8A8: MIN_NVIDIA_CAPABILITY,
+                         LINEAR_FP8_WEIGHT_ONLY: BF16_MIN_CAPABILITY}
+LINEAR_NVIDIA_ONLY = "LINEAR_NVIDIA_ONLY"
+
+
+def linear_capability_refusal(method: str, vendor: str, capability: Optional[Tuple[int, int]],
+                              name: str = "") -> Optional[Rule]:
+    """Why this GPU cannot run `method`'s Linear kernel (None: it can). CPUs are not judged here."""
+    if vendor == "cpu":
+        return None
+    if vendor != "nvidia" or capability is None:
+        # AMD's FP8 is the fnuz flavour our kernels do not emit, and nothing ran on AMD here.
+        return Rule(LINEAR_NVIDIA_ONLY, f"our Linear kernels support NVIDIA GPUs only ({name or vendor})")
+    need = LINEAR_MIN_CAPABILITY[method]
+    if capability < need:
+        code = NO_FP8 if method == LINEAR_FP8_W8A8 else (NO_BF16 if method == LINEAR_FP8_WEIGHT_ONLY else GPU_TOO_OLD)
+        what = {LINEAR_FP8_W8A8: "FP8 tensor cores", LINEAR_INT8_W8A8: "INT8 tensor cores",
+                LINEAR_FP8_WEIGHT_ONLY: "the FP8 weight-only Linear (BF16/FP16 tensor cores)"}[method]
+        return Rule(code, f"{what} need {sm(need)}+ ({name or sm(capability)} is {sm(capability)})")
+    return None
+
+
+def _linear_auto_method(facts: Facts, weight_is_fp8: bool) -> str:
+    cap = facts.capability
+    if cap >= FP8_MIN_CAPABILITY:
+        return LINEAR_FP8_W8A8
+    if weight_is_fp8 and cap >= BF16_MIN_CAPABILITY:
+        return LINEAR_FP8_WEIGHT_ONLY  # sm_80/86 with FP8 checkpoint weights: half the weight bytes
+    return LINEAR_INT8_W8A8
+
+
+def select_linear_method(facts: Facts, mode: str = "auto", weight_is_fp8: bool = False) -> Decision:
+    """The Linear method for one device (a name of LINEAR_METHODS, or "pytorch"), with the reason.
+
+    auto: FP8 W8A8 on sm_89+; on sm_80/86 the FP8 weight-only GEMM when the checkpoint's
+    weights are already FP8, else INT8 W8A8 (also sm_75); PyTorch on AMD, Intel, CPU and
+    unknown devices. A forced mode the device cannot honour takes auto's choice there and
+    says "<mode> asked, but ..." with overridden=True.
+    """
+    if mode not in LINEAR_MODES:
+        raise ValueError(f"unknown Linear mode {mode!r}; expected one of {LINEAR_MODES}")
+    if mode == "off":
+        return Decision(PATH_PYTORCH, "off: ComfyUI's own Linear layers, as chosen")
+    forced = mode != "auto"
+    blocker = triton_blocker(facts)
+    if blocker:
+        prefix = f"{mode} asked, but PyTorch Linear" if forced else "PyTorch Linear"
+        return Decision(PATH_PYTORCH, f"{prefix}: {blocker.reason}", code=blocker.code, overridden=forced)
+    where = _where(facts)
+    if facts.vendor == "cpu":
+        if not forced:
+            return Decision(PATH_PYTORCH, "PyTorch Linear: no GPU (the Triton interpreter is for tests; "
+                                          "force a mode to run it)", code=INTERPRETER_ONLY)
+        method = LINEAR_METHOD_OF_MODE[mode]
+        return Decision(method, f"{mode} forced on the CPU through TRITON_INTERPRET=1: {LINEAR_LABEL[method]} "
+                                "in the interpreter (tests only, very slow)")
+    refusal = linear_capability_refusal(LINEAR_INT8_W8A8, facts.vendor, facts.capability, facts.name)
+    if refusal is not None:  # AMD and unknown vendors: no method at all
+        prefix = f"{mode} asked, but PyTorch Linear" if forced else "PyTorch Linear"
+        return Decision(PATH_PYTORCH, f"{prefix}: {refusal.reason} ({where})", code=refusal.code,
+                        overridden=forced)
+    auto_method = _linear_auto_method(facts, weight_is_fp8)
+    if not forced:
+        why = {LINEAR_FP8_W8A8: "FP8 tensor cores: FP8 W8A8 Linear (weights per channel, activations per token)",
+               LINEAR_FP8_WEIGHT_ONLY: "no FP8 tensor cores, FP8 checkpoint weights: FP8 weight-only Linear "
+                                       "(dequantised in the GEMM, half the weight memory of BF16)",
+               LINEAR_INT8_W8A8: "no FP8 tensor cores: INT8 W8A8 Linear (rotated activations per token)"}
+        return Decision(auto_method, f"auto: {where} has {why[auto_method]}")
+    method = LINEAR_METHOD_OF_MODE[mode]
+    refusal = linear_capability_refusal(method, facts.vendor, facts.capability, facts.name)
+    if refusal is not None:
+        return Decision(auto_method, f"{mode} asked, but {refusal.reason}: using {LINEAR_LABEL[auto_method]} "
+                                     "instead", code=refusal.code, overridden=True)
+    return Decision(method, f"{mode} forced: {LINEAR_LABEL[method]} Linear on {where}")
+
 __all__ = [
-    "PATH_TRITON_FP16", "PATH_TRITON_FP8", "PATH_PYTORCH", "PATHS", "BACKEND_OF_PATH", "LOSSY_PATHS",
-    "MODES", "Rule", "Facts", "Decision", "version_tuple", "sm", "min_capability_for", "nvidia_gpu_blocker",
-    "device_blocker", "triton_blocker", "fp8_capable", "capability_refusal", "select_path", "expected_paths",
-    "feature_refusal", "FEATURE_MIN_TRITON",
+    "PATH_TRITON_FP16", "PATH_TRITON_FP8", "PATH_TRITON_INT8", "PATH_PYTORCH", "PATHS", "TRITON_PATHS",
+    "BACKEND_OF_PATH", "LOSSY_PATHS", "MODES", "Rule", "Facts", "Decision", "version_tuple", "sm",
+    "min_capability_for", "nvidia_gpu_blocker", "device_blocker", "triton_blocker", "fp8_capable", "int8_capable",
+    "capability_refusal", "select_path", "expected_paths", "auto_candidates", "fp8_kernel_order", "fp8_precision",
+    "path_label", "FP8_KERNEL_GLUON", "FP8_KERNEL_INT8_FP8PV", "FP8_KERNEL_FULL", "FP8_KERNEL_QK",
+    "OPTIONAL_FP8_KERNELS", "GLUON_CAPABILITY", "feature_refusal", "FEATURE_MIN_TRITON",
+    "LINEAR_MODES", "LINEAR_METHODS", "LINEAR_FP8_W8A8", "LINEAR_INT8_W8A8", "LINEAR_FP8_WEIGHT_ONLY",
+    "LINEAR_MIN_CAPABILITY", "linear_capability_refusal", "select_linear_method",
 ]

@@ -1,5 +1,6 @@
 """FP8 W8A8 Linear (y = x @ W.T + b) in Triton: weight and activation quantisation, the
-persistent GEMM, its configs per arch and the launcher.
+persistent GEMM, its configs per arch and the launcher. The public entry is kernels.linear
+(method "fp8_w8a8"), which calls `prepare` and `run_linear` below.
 
 Numerics:
 - weights: float8 e4m3 with one scale per output channel (amax / 448), quantised once per
@@ -379,6 +380,20 @@ def fp8_linear(x: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None = 
     return out.reshape(*x.shape[:-1], w.out_features)
 
 
+def prepare(weight: torch.Tensor, weight_scale=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """kernels.linear's entry: (e4m3 weight [N, K], fp32 scale [N], rotation 0)."""
+    w = quantize_weight(weight, weight_scale)
+    return w.weight, w.scale, 0
+
+
+def run_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               rotation: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """kernels.linear's entry: a checked [M, K] call (unit last stride) on a prepared weight."""
+    _check_device(x2d.device)
+    x_fp8, x_scale = quantize_activation(x2d)
+    return fp8_gemm(x_fp8, x_scale, Fp8LinearWeight(weight, scale), bias, out_dtype)
+
+
 def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, tma: bool | None = None):
     """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...)): the
     activation quantisation and the GEMM as a launch on contiguous tensors specialises them."""
@@ -409,5 +424,5 @@ def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, 
     return specs
 
 
-__all__ = ["Fp8LinearWeight", "Fp8LinearUnsupportedError", "LINEAR_FP8_CONFIGS", "quantize_weight",
+__all__ = ["prepare", "run_linear", "Fp8LinearWeight", "Fp8LinearUnsupportedError", "LINEAR_FP8_CONFIGS", "quantize_weight",
            "quantize_activation", "fp8_gemm", "fp8_linear", "config_family", "compile_specs", "FP8_MAX"]

@@ -113,6 +113,8 @@ class Implementation:
     op: str
     fn: Callable
     priority: int
+    # Constraints for attention; another op brings its own pair with the same check(call) ->
+    # str | None (kernels/linear.py: LinearCall / LinearConstraints).
     constraints: Constraints
     unavailable: str | None = None  # set when the implementation cannot run at all here
 

@@ -8,6 +8,7 @@ import torch
 from .. import kernels
 from ..kernels import cache_registry
 from ..kernels import selfcheck
+from ..kernels.attention import fp8_kernels_available
 from ..kernels.gpu_rules import BACKEND_OF_PATH, Facts
 
 _cache: dict[str, Facts] = {}
@@ -32,7 +33,15 @@ def implemented_paths() -> frozenset[str]:
     return frozenset(paths)
 
 
-def probe(device) -> Facts:
+def cached_facts(device) -> Facts | None:
+    """The facts probe() found for this device, if it ran already (nothing is launched)."""
+    with _lock:
+        return _cache.get(str(_normalise(device)))
+
+
+def probe(device, selfcheck_kernel: bool = True) -> Facts:
+    """selfcheck_kernel=False: no test kernel (and nothing cached), for the startup line and
+    the status route, which must not compile or launch anything on the user's GPU."""
     device = _normalise(device)
     key = str(device)
     with _lock:
@@ -45,7 +54,7 @@ def probe(device) -> Facts:
     vendor = {"nvidia": "nvidia", "amd": "amd", "cpu": "cpu"}.get(info.vendor, "intel" if device.type == "xpu" else "other")
     triton_version = kernels.triton_version()
     triton_error = kernels.triton_import_error()
-    if triton_error is None and triton_version is not None:
+    if triton_error is None and triton_version is not None and selfcheck_kernel:
         ok, message = selfcheck.triton_works(device) if (device.type != "cpu" or kernels.interpreter_enabled()) \
             else (True, "")
         triton_error = None if ok else message
@@ -57,9 +66,11 @@ def probe(device) -> Facts:
         arch=arch, vram_bytes=vram, torch_version=torch.__version__.split("+")[0], torch_cuda=torch.version.cuda,
         triton_version=triton_version, triton_error=triton_error,
         interpreter=kernels.interpreter_enabled(), implemented=implemented_paths(),
+        fp8_kernels=fp8_kernels_available(device),  # which FP8 kernel runs: Gluon, INT8 Q.K + FP8 P.V
     )
-    with _lock:
-        _cache[key] = facts
+    if selfcheck_kernel:
+        with _lock:
+            _cache[key] = facts
     return facts
 
 

@@ -17,8 +17,9 @@ from .. import kernels
 from . import call_stats
 from .device_probe import probe
 from ..kernels.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
-from .settings import SETTINGS_TYPE, AccelSettings
+from .settings import SEARCH_ALIASES, SETTINGS_TYPE, AccelSettings, patched_model_text
 from .speed_choice import ORIGINAL, SpeedChoice, shape_class
+from .speed_choice import shared as shared_speed_choice
 
 log = logging.getLogger("triton_accel")
 
@@ -30,15 +31,20 @@ _KNOWN_KWARGS = {"transformer_options", "_inside_attn_wrapper", "scale", "enable
                  "low_precision_attention", "attn_precision"}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-_speed_choice: SpeedChoice | None = None
 AUTO_KEPT_ORIGINAL = "auto: ComfyUI's attention measured faster (or not equal) at this shape"
 
 
 def _speed() -> SpeedChoice:
-    global _speed_choice
-    if _speed_choice is None:
-        _speed_choice = SpeedChoice()
-    return _speed_choice
+    return shared_speed_choice()  # the one speed_choice.speed_summary() reports
+
+
+def head_slices(call: dict):
+    """The function splitting this call's output (ComfyUI's layout) into its (batch, head)
+    slices, for auto's per-head agreement check."""
+    b, h = call["batch"], call["heads"]
+    if call["skip_output_reshape"]:  # [B, H, L, D]
+        return lambda out: out.reshape(b * h, -1)
+    return lambda out: out.reshape(b, out.shape[1], h, -1).transpose(1, 2).reshape(b * h, -1)  # [B, L, H * D]
 
 
 class Unsupported(Exception):
@@ -117,9 +123,10 @@ def adapt_call(args: tuple, kwargs: dict) -> dict:
 class AttentionOverride:
     """The callable stored in transformer_options; shared by clones, never copied."""
 
-    def __init__(self, settings: AccelSettings, previous=None):
+    def __init__(self, settings: AccelSettings, previous=None, label: str | None = None):
         self.settings = settings
         self.previous = previous
+        self.label = label  # call_stats' name for the patched clone ("Flux #1"), per-model counts
         self._usable: dict = {}
 
     def __deepcopy__(self, memo):
@@ -149,7 +156,7 @@ class AttentionOverride:
         return usable, refusals
 
     def _original(self, func, args, kwargs, reason: str):
-        call_stats.record("original", reason)
+        call_stats.record("original", reason, model=self.label)
         if self.previous is not None:
             return self.previous(func, *args, **kwargs)
         return func(*args, **kwargs)
@@ -180,14 +187,15 @@ class AttentionOverride:
 
         if decision.measure and q.device.type == "cuda":
             facts = probe(q.device)
+            cls = shape_class(q, k, mask)
             key = "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
-                            f"pack {PACK_VERSION}", "+".join(usable), shape_class(q, k, mask)])
+                            f"pack {PACK_VERSION}", "+".join(usable), cls])
             if _is_compiling():
                 # No timing inside a trace: use an earlier measurement, else stay on ComfyUI's.
                 known = _speed().known(key)
                 if known not in usable:
                     return self._original(func, args, kwargs, "auto: not measured yet (torch.compile)")
-                call_stats.record("triton", path=known)
+                call_stats.record("triton", path=known, model=self.label)
                 return runner(known)()
 
             def original():
@@ -196,15 +204,18 @@ class AttentionOverride:
 
             candidates = {path: runner(path) for path in usable}
             candidates[ORIGINAL] = original
-            choice, out = _speed().choose(key, candidates, q.device)
+            # A quantized path is kept only where it measured faster and agrees with ComfyUI's
+            # output by its bar (speed_choice.agreement_bar: whole-output rel. L2, worst-head cosine).
+            about = {"device": str(q.device), "gpu": facts.name, "arch": facts.arch, "shape_class": cls}
+            choice, out = _speed().choose(key, candidates, q.device, groups=head_slices(call), about=about)
             if choice == ORIGINAL:
                 if out is None:
                     return self._original(func, args, kwargs, AUTO_KEPT_ORIGINAL)
-                call_stats.record("original", AUTO_KEPT_ORIGINAL)
+                call_stats.record("original", AUTO_KEPT_ORIGINAL, model=self.label)
                 return out
-            call_stats.record("triton", path=choice)
+            call_stats.record("triton", path=choice, model=self.label)
             return out if out is not None else runner(choice)()
-        call_stats.record("triton", path=usable[0])
+        call_stats.record("triton", path=usable[0], model=self.label)
         return runner(usable[0])()
 
 
@@ -214,14 +225,18 @@ def patch_model(model, settings: AccelSettings | None = None):
     patched = model.clone()
     to = patched.model_options.setdefault("transformer_options", {})
     # Wrap, never erase, an override another node installed: calls we hand back go through it.
-    to[OVERRIDE_KEY] = AttentionOverride(settings, previous=to.get(OVERRIDE_KEY))
+    label = call_stats.new_model_label(type(getattr(model, "model", model)).__name__)
+    to[OVERRIDE_KEY] = AttentionOverride(settings, previous=to.get(OVERRIDE_KEY), label=label)
     return patched
 
 
 class TritonAccelPatchAttention:
     CATEGORY = "Triton Accel"
     DESCRIPTION = ("Puts Triton Accel's attention into a model (SD1.5, SDXL, SD3, Flux, Wan, HunyuanVideo, LTXV, "
-                   "Qwen-Image, Lumina 2...). Calls it cannot serve go to ComfyUI's own attention.")
+                   "Qwen-Image, Lumina 2...). Calls it cannot serve go to ComfyUI's own attention. Shows the "
+                   "patched model's label and the path chosen for its GPU; the Triton Accel side panel counts "
+                   "the calls served and handed back per model.")
+    SEARCH_ALIASES = SEARCH_ALIASES
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model with Triton Accel attention (the input model is left untouched).",)
     FUNCTION = "patch"
@@ -239,4 +254,9 @@ class TritonAccelPatchAttention:
         }
 
     def patch(self, model, settings: AccelSettings | None = None):
-        return (patch_model(model, settings),)
+        patched = patch_model(model, settings)
+        label = patched.model_options["transformer_options"][OVERRIDE_KEY].label
+        # triton_accel_model: the web extension matches the node to its counts in /triton_accel/status.
+        return {"ui": {"text": [patched_model_text(patched, label, settings or AccelSettings("auto"))],
+                       "triton_accel_model": [label]},
+                "result": (patched,)}

@@ -1,19 +1,54 @@
-"""HTTP routes on ComfyUI's server: what the patched attention did (for users and tests)."""
+"""HTTP routes on ComfyUI's server: what the pack is doing, for the side panel, users and tests.
+
+Read-only JSON under /triton_accel/: nothing in a request (path, query, body) names a file,
+a command or code; the routes have fixed paths and ignore query strings. The one POST
+(`/triton_accel/stats/reset`) needs no body and refuses one larger than MAX_BODY_BYTES
+(ComfyUI's own limit is its upload size, 100 MB by default: far too much for a reset).
+"""
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 
 from .. import kernels
 from . import call_stats
+from .status import status_payload
 
 log = logging.getLogger("triton_accel")
 
+PREFIX = "/triton_accel"
+MAX_BODY_BYTES = 4096
+
 
 def stats_payload() -> dict:
+    from .patch_linear import fallback_report  # patch_linear imports the node modules
+
     payload = call_stats.snapshot()
     payload["kernels"] = kernels.stats.counts()
+    # Linear layers the quality guard (or a kernel error) sent back to ComfyUI's Linear for good.
+    payload["linear_fallbacks"] = fallback_report()
     return payload
+
+
+async def body_too_large(request) -> bool:
+    """True when the request carries more than MAX_BODY_BYTES; reads at most that much + 1."""
+    if request.content_length is not None:
+        return request.content_length > MAX_BODY_BYTES
+    if not request.can_read_body:
+        return False
+    return len(await request.content.read(MAX_BODY_BYTES + 1)) > MAX_BODY_BYTES
+
+
+def _benchmark_routes(routes) -> None:
+    """The Benchmark node's chart and JSON routes, when that node ships in this version."""
+    try:
+        benchmark = importlib.import_module(".benchmark", __package__)
+    except ImportError:
+        return
+    register = getattr(benchmark, "register_benchmark_routes", None)
+    if register is not None:
+        register(routes)
 
 
 def register_routes() -> bool:
@@ -27,14 +62,25 @@ def register_routes() -> bool:
 
     routes = prompt_server.routes
 
-    @routes.get("/triton_accel/stats")
+    @routes.get(PREFIX + "/stats")
     async def get_stats(request):
         return web.json_response(stats_payload())
 
-    @routes.post("/triton_accel/stats/reset")
+    @routes.get(PREFIX + "/status")
+    async def get_status(request):
+        return web.json_response(status_payload())
+
+    @routes.post(PREFIX + "/stats/reset")
     async def reset_stats(request):
+        if await body_too_large(request):
+            return web.json_response({"error": f"this route takes no body (at most {MAX_BODY_BYTES} bytes)"},
+                                     status=413)
         call_stats.reset()
         kernels.stats.reset()
         return web.json_response(stats_payload())
 
+    try:
+        _benchmark_routes(routes)
+    except Exception:
+        log.warning("Triton Accel: the benchmark routes could not be added", exc_info=True)
     return True

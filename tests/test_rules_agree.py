@@ -58,7 +58,8 @@ TORCHES = (("2.6.0", "12.4"), ("2.7.0", "12.6"), ("2.7.0", "12.8"), ("2.8.0", "1
 # The Triton each torch pins (its Requires-Dist on Linux; triton-windows pairs the same way).
 TORCH_PIN = {6: "3.2.0", 7: "3.3.0", 8: "3.4.0", 9: "3.5.0", 10: "3.6.0", 11: "3.7.0", 12: "3.8.0", 13: "3.9.0"}
 PACK = "/home/me/ComfyUI/custom_nodes/comfyui-triton-accel"
-BOTH = frozenset({rules.PATH_TRITON_FP16, rules.PATH_TRITON_FP8})
+# A complete build ships every Triton path (FP8, INT8, FP16/BF16); install.py assumes that.
+SHIPPED = rules.TRITON_PATHS
 
 
 def _pin(torch, triton):
@@ -109,7 +110,7 @@ def windows_facts(device, torch, cuda, triton):
 
 def rules_facts(device, torch, cuda, triton_version):
     """What the Settings node probes on the same machine (gpu_rules.Facts)."""
-    common = dict(triton_version=triton_version, implemented=BOTH)
+    common = dict(triton_version=triton_version, implemented=SHIPPED)
     if device in NVIDIA:
         name, cap = NVIDIA[device]
         return rules.Facts(device="cuda:0", vendor="nvidia", name=name, capability=cap,
@@ -203,10 +204,56 @@ def test_the_grid_covers_every_outcome():
             p = inst.plan(facts)
             paths.add(p.path)
             codes |= {b.code for b in p.blockers}
-    assert paths == {rules.PATH_TRITON_FP8, rules.PATH_TRITON_FP16, rules.PATH_PYTORCH}
+    assert paths == {rules.PATH_TRITON_FP8, rules.PATH_TRITON_INT8, rules.PATH_PYTORCH}
     assert {rules.GPU_TOO_OLD, rules.TURING_DROPPED, rules.BLACKWELL_TORCH, rules.BLACKWELL_TRITON, rules.NO_GPU,
             rules.AMD_NOT_VALIDATED} <= codes
 
 
 def test_rules_module_is_the_packs_file():
     assert Path(rules.__file__).resolve() == ROOT / "kernels" / "gpu_rules.py"
+
+
+# What auto times per architecture (issue 11), the way install.py announces it: the candidates
+# in order, for the Triton the pack imports after install.py ran.
+AUTO_CANDIDATES = {
+    "sm75": (rules.PATH_TRITON_INT8, rules.PATH_TRITON_FP16),  # Triton 3.2 only (3.3 dropped Turing)
+    "sm80": (rules.PATH_TRITON_INT8, rules.PATH_TRITON_FP16),
+    "sm86": (rules.PATH_TRITON_INT8, rules.PATH_TRITON_FP16),
+    "sm87": (rules.PATH_TRITON_INT8, rules.PATH_TRITON_FP16),
+    "sm89": (rules.PATH_TRITON_FP8, rules.PATH_TRITON_INT8, rules.PATH_TRITON_FP16),
+    "sm90": (rules.PATH_TRITON_FP8, rules.PATH_TRITON_FP16),
+    "sm100": (rules.PATH_TRITON_FP8, rules.PATH_TRITON_FP16),
+    "sm120": (rules.PATH_TRITON_FP8, rules.PATH_TRITON_INT8, rules.PATH_TRITON_FP16),
+}
+
+
+@pytest.mark.parametrize("device", list(AUTO_CANDIDATES))
+def test_install_announces_the_quantized_candidates_auto_times(device):
+    triton = "3.2.0" if device == "sm75" else "3.6.0"
+    torch, cuda = ("2.6.0", "12.4") if device == "sm75" else ("2.10.0", "12.8")
+    p = inst.plan(linux_facts(device, torch, cuda, triton))
+    d = rules.select_path(rules_facts(device, torch, cuda, triton), "auto")
+    assert d.candidates == AUTO_CANDIDATES[device] and d.measure
+    assert p.path == d.path == AUTO_CANDIDATES[device][0]
+    for path in AUTO_CANDIDATES[device]:
+        assert rules.PATH_LABEL[path] in p.expected_paths, p.expected_paths
+
+
+@pytest.mark.parametrize("device", ["sm89", "sm90", "sm120"])
+@pytest.mark.parametrize("kernels", [frozenset(), frozenset({rules.FP8_KERNEL_GLUON}),
+                                     frozenset({rules.FP8_KERNEL_INT8_FP8PV}), rules.OPTIONAL_FP8_KERNELS],
+                         ids=["none", "gluon", "int8_fp8pv", "both"])
+def test_optional_fp8_kernels_change_only_the_precision_words(device, kernels):
+    """install.py cannot know which optional FP8 kernel runs (fp8_kernels=None); the Settings node
+    probes it. The path and candidates (what install.py announces) must not depend on it."""
+    known = rules_facts(device, "2.10.0", "12.8", "3.6.0")
+    probed = rules.Facts(**{**known.__dict__, "fp8_kernels": kernels})
+    a, b = rules.select_path(known, "auto"), rules.select_path(probed, "auto")
+    assert (a.path, a.candidates, a.measure, a.code) == (b.path, b.candidates, b.measure, b.code)
+    assert rules.expected_paths(a) == rules.expected_paths(b)
+
+
+def test_install_assumes_every_triton_path_gpu_rules_names():
+    facts = inst.device_facts(linux_facts("sm89", "2.10.0", "12.8", "3.6.0"),
+                              {"name": "NVIDIA GeForce RTX 4090", "capability": [8, 9]}, "3.6.0")
+    assert facts.implemented == frozenset(rules.PATHS) - {rules.PATH_PYTORCH}

@@ -96,15 +96,15 @@ SCENARIOS = [
     ("win-embedded-torch2.10-py3.13-sm89-installed", win(py=(3, 13, 9), installed={"triton-windows": "3.6.0.post26"}),
      False, [], [("info", "TRITON_OK")], "triton_fp8"),
     ("win-venv-torch2.9-py3.11-sm86", win("venv", "2.9.1+cu126", (3, 11, 9), "sm86"), False,
-     [pip_install(VENV, "triton-windows>=3.5,<3.6")], [("info", "TRITON_MISSING")], "triton_fp16"),
+     [pip_install(VENV, "triton-windows>=3.5,<3.6")], [("info", "TRITON_MISSING")], "triton_int8"),
     ("win-conda-torch2.8-py3.10-sm120-cu128", win("conda", "2.8.0+cu128", (3, 10, 16), "sm120"), False,
      [pip_install(CONDA, "triton-windows>=3.4,<3.5")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-system-torch2.7-py3.13-sm80-cu126", win("system", "2.7.1+cu126", (3, 13, 2), "sm80"), False,
-     [pip_install(SYSTEM, "triton-windows>=3.3,<3.4")], [("info", "TRITON_MISSING")], "triton_fp16"),
+     [pip_install(SYSTEM, "triton-windows>=3.3,<3.4")], [("info", "TRITON_MISSING")], "triton_int8"),
     ("win-embedded-torch2.6-py3.12-sm75", win(torch="2.6.0+cu124", gpu="sm75"), False,
-     [pip_install(EMB, "triton-windows>=3.2,<3.3")], [("info", "TRITON_MISSING")], "triton_fp16"),
+     [pip_install(EMB, "triton-windows>=3.2,<3.3")], [("info", "TRITON_MISSING")], "triton_int8"),
     ("win-embedded-torch2.5-py3.12-sm86", win(torch="2.5.1+cu124", gpu="sm86"), False,
-     [pip_install(EMB, "triton-windows>=3.1,<3.2")], [("info", "TRITON_MISSING")], "triton_fp16"),
+     [pip_install(EMB, "triton-windows>=3.1,<3.2")], [("info", "TRITON_MISSING")], "triton_int8"),
     ("win-embedded-torch2.4-py3.11-sm89", win(torch="2.4.1+cu124", py=(3, 11, 9)), False,
      [pip_install(EMB, "triton-windows>=3.1,<3.2")], [("info", "TRITON_MISSING")], "triton_fp8"),
     ("win-embedded-torch2.11-py3.13-sm89", win(torch="2.11.0+cu130", py=(3, 13, 9)), False,
@@ -274,7 +274,7 @@ SCENARIOS = [
                                           installed={"triton": "3.5.0"}), False,
      [], [("info", "TRITON_OK")], "triton_fp8"),
     ("linux-cuda-torch2.9-sm86-missing", linux("2.9.1+cu128", "sm86", requires=TORCH29_LINUX_REQ), False,
-     [pip_install(LINUX, "triton==3.5.0")], [("info", "TRITON_MISSING")], "triton_fp16"),
+     [pip_install(LINUX, "triton==3.5.0")], [("info", "TRITON_MISSING")], "triton_int8"),
     ("linux-cuda-torch2.9-wrong-triton", linux("2.9.1+cu128", "sm89", requires=TORCH29_LINUX_REQ,
                                                installed={"triton": "3.4.0"}), False,
      [pip_install(LINUX, "triton==3.5.0")], [("warning", "TRITON_MISMATCH")], "triton_fp8"),
@@ -285,7 +285,7 @@ SCENARIOS = [
                                           requires=['triton==3.2.0; platform_system == "Linux" and '
                                                     'platform_machine == "x86_64"'],
                                           installed={"triton": "3.2.0"}), False,
-     [], [("info", "TRITON_OK")], "triton_fp16"),
+     [], [("info", "TRITON_OK")], "triton_int8"),
     ("linux-system-cuda-no-gpu", linux("2.9.1+cu128", None, kind="system", requires=TORCH29_LINUX_REQ,
                                        installed={"triton": "3.5.0"}, torch_cuda="12.8"), False,
      [], [("warning", "NO_GPU"), ("info", "TRITON_OK")], "pytorch"),
@@ -602,11 +602,13 @@ def test_every_code_has_a_message_test():
 
 @pytest.mark.parametrize("check, facts, expected", [
     ({"mode": "gpu", "kernel_ok": True, "triton_version": "3.6.0"}, win(installed={"triton-windows": "3.6.0"}),
-     ("triton_fp8", "Triton works on NVIDIA GeForce RTX 4090 (sm_89): in auto the pack uses Triton FP8 and Triton "
-                    "FP16/BF16 attention, each timed against PyTorch's per shape (the faster that agrees is kept).")),
+     ("triton_fp8", "Triton works on NVIDIA GeForce RTX 4090 (sm_89): in auto the pack uses Triton FP8, Triton INT8 "
+                    "and Triton FP16/BF16 attention, each timed against PyTorch's per shape (the fastest that agrees "
+                    "is kept).")),
     ({"mode": "gpu", "kernel_ok": True}, win(gpu="sm86", installed={"triton-windows": "3.6.0"}),
-     ("triton_fp16", "Triton works on NVIDIA GeForce RTX 3090 (sm_86): in auto the pack uses Triton FP16/BF16 "
-                     "attention, each timed against PyTorch's per shape (the faster that agrees is kept).")),
+     ("triton_int8", "Triton works on NVIDIA GeForce RTX 3090 (sm_86): in auto the pack uses Triton INT8 and "
+                     "Triton FP16/BF16 attention, each timed against PyTorch's per shape (the faster that agrees is "
+                     "kept).")),
     ({"mode": "gpu", "error": "import triton: ImportError: DLL load failed while importing libtriton"},
      win(installed={"triton-windows": "3.6.0"}),
      ("pytorch", "Triton is blocked (self-check: import triton: ImportError: DLL load failed while importing "
@@ -626,8 +628,9 @@ def test_every_code_has_a_message_test():
     (None, linux(), ("pytorch", "No NVIDIA GPU: the pack uses PyTorch attention. The Triton interpreter was not "
                                 "checked.")),
     (None, win(), ("triton_fp8", "Nothing blocks Triton on NVIDIA GeForce RTX 4090 (sm_89): in auto the pack should "
-                                 "use Triton FP8 and Triton FP16/BF16 attention, each timed against PyTorch's per shape "
-                                 "(the faster that agrees is kept); not verified, the self-check did not run.")),
+                                 "use Triton FP8, Triton INT8 and Triton FP16/BF16 attention, each timed against "
+                                 "PyTorch's per shape (the fastest that agrees is kept); not verified, the self-check "
+                                 "did not run.")),
     (None, win(python_h=False, include_minor=None),
      ("pytorch", "Triton is blocked (Python.h is missing or wrong). The pack still loads and uses PyTorch attention; "
                  "fix the errors above to enable Triton.")),

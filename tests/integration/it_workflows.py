@@ -51,17 +51,19 @@ def family_spec(family: str, models: dict | None = None) -> dict:
     return spec
 
 
-def sampling_workflow(family: str, model_chain=(), probe_cases=(), tag: str = "run", models=None):
+def sampling_workflow(family: str, model_chain=(), probe_cases=(), tag: str = "run", models=None,
+                      weight_dtype: str = "default"):
     """UNETLoader -> model_chain... -> KSampler -> SaveLatent for one family.
 
     model_chain: items (class_type, inputs) applied to the model in order; an input value of
     the form ("settings", {...}) creates a TritonAccelSettings node and links it.
     probe_cases: TritonAccelTestAttentionProbe nodes run on the final model.
+    weight_dtype: UNETLoader's (e.g. "fp8_e4m3fn": the weights stored as FP8, upcast per call).
     Returns (prompt, save_node_id, probe_node_ids).
     """
     spec = family_spec(family, models)
     wf = Workflow()
-    model = wf.add("UNETLoader", unet_name=f"tiny_{family}.safetensors", weight_dtype="default")
+    model = wf.add("UNETLoader", unet_name=f"tiny_{family}.safetensors", weight_dtype=weight_dtype)
     for class_type, inputs in model_chain:
         inputs = dict(inputs)
         for key, value in list(inputs.items()):
@@ -119,6 +121,25 @@ def patch(mode: str | None = "fp16", device: str = "auto"):
     if mode is None:
         return (PATCH, {})
     return (PATCH, {"settings": ("settings", {"mode": mode, "device": device})})
+
+
+LINEAR_PATCH = "TritonAccelPatchLinear"
+COMBINED_PATCH = "TritonAccelPatch"
+
+
+def linear_patch(linear_mode: str | None = "fp8", min_tokens: int = 1, skip: str = "auto",
+                 attention_mode: str = "off", combined: bool = False):
+    """A model_chain item for TritonAccelPatchLinear (or, combined, TritonAccelPatch); the
+    Settings node gets `attention_mode` and `linear_mode` (None: no settings input)."""
+    inputs = {"skip": skip, "min_tokens": min_tokens}
+    if linear_mode is not None:
+        inputs["settings"] = ("settings", {"mode": attention_mode, "device": "auto", "linear": linear_mode})
+    return (COMBINED_PATCH if combined else LINEAR_PATCH, inputs)
+
+
+def lora(name: str, strength: float = 1.0):
+    """A model_chain item for ComfyUI's LoraLoaderModelOnly (the file in models/loras)."""
+    return ("LoraLoaderModelOnly", {"lora_name": name, "strength_model": strength})
 
 
 def spy(tag: str, perturb: float = 0.0, drop_mask: bool = False):

@@ -4,7 +4,7 @@ The server runs on the CPU with TRITON_INTERPRET=1: mode "fp16" forces our Trito
 through the interpreter, "auto" on the CPU must fall back to ComfyUI's own attention.
 
 Contract checked here (from the lead):
-- TritonAccelSettings: mode combo ["auto", "fp8", "fp16", "off"], optional device string
+- TritonAccelSettings: mode combo ["auto", "fp8", "int8", "fp16", "off"], optional device string
   (default "auto"); output TRITON_ACCEL_SETTINGS.
 - TritonAccelPatchAttention: model (MODEL), optional settings (TRITON_ACCEL_SETTINGS); output MODEL.
 - GET /triton_accel/stats -> {"calls": {"triton": n, "original": m, ...}, "reasons": {...}};
@@ -121,7 +121,7 @@ def test_settings_node_contract(comfy):
     required = info["input"].get("required", {})
     optional = info["input"].get("optional", {})
     assert "mode" in required, info["input"]
-    assert _combo_options(required["mode"]) == ["auto", "fp8", "fp16", "off"]
+    assert _combo_options(required["mode"]) == ["auto", "fp8", "int8", "fp16", "off"]
     assert "device" in optional, f"device should be an optional input: {info['input']}"
     assert optional["device"][0] == "STRING"
     assert optional["device"][1].get("default") == "auto"

@@ -260,7 +260,7 @@ def test_registry_bf16_and_fp8_refusals_are_gpu_rules_words():
 
 def test_registry_names_match_gpu_rules_paths():
     names = {i.name for i in K.registry.implementations("attention")}
-    assert names == {"triton_attention", "triton_fp8", "torch_sdpa", "reference_fp32"}
+    assert names == {"triton_attention", "triton_fp8", "triton_int8", "torch_sdpa", "reference_fp32"}
     assert set(gpu_rules.BACKEND_OF_PATH.values()) <= names
 
 

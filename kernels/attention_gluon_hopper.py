@@ -1,0 +1,456 @@
+"""Full-FP8 attention forward for Hopper (sm_90) written in Gluon, warp-specialised.
+
+Same numerics and inputs as attention_fp8_full (quantize_qkv's Q8/K8/VT8 with per-block
+scales, K and V smoothing, the outlier side operands, the 448 shift inside exp2, V's
+per-channel scale and mean in the epilogue); what changes is who does what inside a CTA:
+- one producer warp issues TMA loads of the key tiles (K8 + its side columns) and of the
+  transposed value tiles (VT8) into STAGES-deep rings, each slot guarded by a "full"
+  mbarrier (TMA bytes landed) and an "empty" one (both consumers done with it: count 2);
+- two consumer warpgroups own 64 query rows each (BLOCK_M = 128 per CTA, sharing every
+  K/V tile and the query block scale) and run the online softmax on async wgmma. The
+  scheduler interleaves them, so one warpgroup's exp2 runs while the other's MMAs do;
+  inside each, the Q.K^T of tile j+1 is issued before the softmax of tile j (it runs on
+  the tensor cores meanwhile), as in FlashAttention-3.
+- P.V: P is cast to e4m3 in registers and fed as wgmma's register A operand, VT8's tile
+  (keys contiguous) as its K-major B operand. TWO_LEVEL puts each tile's P.V in a fresh
+  accumulator added in fp32 (FP8 wgmma keeps a ~22-bit accumulator, see attention_fp8_full);
+  with the next tile's scores also live that is 64 more fp32 registers per thread, so it
+  needs BLOCK_N = 64 and runs 25% slower. Its error equals one-level accumulation's at every
+  measured shape (up to 33k keys), so the default chains P.V into one accumulator at
+  BLOCK_N = 128 (GLUON_CONFIGS says what was measured).
+Serves what attention_fp8_full serves (fp16/bf16, head dims 1..128, any lengths, no mask,
+no causal, no GQA); the launcher raises GluonUnsupportedError otherwise.
+The Gluon API moves between Triton minors (warp_specialize's signature changed in 3.6);
+gluon_refusal() checks the installed Triton for every name used here, so older or newer
+ones are refused with a reason and attention_fp8_full stays the fallback.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from functools import lru_cache
+
+import torch
+
+from . import cache_registry
+from . import device as _device
+from .attention_fp8_quant import N_OUTLIER, padded_head_dim, quantize_qkv
+from .gpu_rules import GLUON_CAPABILITY, feature_refusal
+
+log = logging.getLogger("triton_accel.kernels.attention_gluon_hopper")  # not __name__: the clone's folder name
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # TMA global -> shared copy: `async_copy_global_to_shared` up to 3.8, `async_load` from
+    # 3.8 on (3.9 removed the old name).
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _IMPORT_ERROR = None
+except Exception as e:  # no Triton, or a Triton whose Gluon lacks these names: refused with this
+    triton = gluon = gl = None
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+ROWS_PER_WARPGROUP = 64  # one wgmma M-extent per warpgroup; two warpgroups per CTA
+BLOCK_M = 2 * ROWS_PER_WARPGROUP
+MAX_HEAD_DIM = 128
+# log2(448) rounded down, as in attention_fp8_full: exp2(S - m + LOG2_P_SCALE) <= 448.
+LOG2_P_SCALE = 8.8073
+
+# BLOCK_N (also quantize_qkv's key block), ring depth, TWO_LEVEL, registers per thread of
+# the second consumer warpgroup and of the producer warp (setmaxnreg; the default partition,
+# consumer 0, gets what is left of the 64K: 256). Measured on the H200 (Triton 3.6,
+# 2026-12-02, benchmarks/results/h200_2026-12-02_gluon_run*.json), kernel alone, TFLOP/s:
+# "sm90" Wan 778-795, HunyuanVideo 773-797, Flux 696-699; STAGES=3 the same within noise
+# (801 / 777 / 710); "sm90_two_level" 606-611 / 592-608 / 535 with rel. L2 within 1e-4 of
+# one-level on every input (Wan outlier 0.0062 vs 0.0063), so one-level is the default.
+GLUON_CONFIGS = {
+    "sm90": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24),
+    "sm90_two_level": dict(BLOCK_N=64, STAGES=3, TWO_LEVEL=True, CONSUMER_REGS=232, PRODUCER_REGS=24),
+}
+
+# Every Gluon name this file uses, checked by gluon_refusal() before any launch.
+_REQUIRED = {
+    "gl": ("warp_specialize", "allocate_shared_memory", "NVMMADistributedLayout", "NVMMASharedLayout",
+           "DotOperandLayout", "SliceLayout", "static_range", "convert_layout", "float8e4nv", "exp2"),
+    "hopper": ("warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared", "mbarrier", "tma"),
+    "mbarrier": ("MBarrierLayout", "init", "invalidate", "expect", "wait", "arrive"),
+}
+
+
+class GluonUnsupportedError(RuntimeError):
+    """The call, the device or the installed Triton cannot run the Gluon kernel; says why."""
+
+
+def gluon_api_refusal(triton_version: str | None = None) -> str | None:
+    """Why the installed Triton's Gluon lacks what this kernel uses, or None."""
+    version = triton_version if triton_version is not None else _device.triton_version()
+    return _api_refusal_for(version)
+
+
+# Remembered per version string: the check inspects warp_specialize's signature (~50 us),
+# which every launch would otherwise pay (a Flux-sized call's kernel runs ~400 us).
+@lru_cache(maxsize=None)
+def _api_refusal_for(version: str) -> str | None:
+    rule = feature_refusal("gluon", version)
+    if rule is not None:
+        return rule.reason
+    if _IMPORT_ERROR is not None:
+        return f"Triton {version}: Gluon's Hopper API does not import ({_IMPORT_ERROR})"
+    from triton.experimental.gluon.language.nvidia import hopper
+
+    return api_gaps(version, gl, hopper)
+
+
+def api_gaps(version: str | None, gl_module, hopper_module) -> str | None:
+    """What `gl_module` (triton.experimental.gluon.language) and `hopper_module` (its
+    nvidia.hopper) lack of what the kernel calls, as a reason, or None. Separate from the
+    import so tests can hand it the API of another Triton minor."""
+    spaces = {"gl": gl_module, "hopper": hopper_module, "mbarrier": getattr(hopper_module, "mbarrier", None),
+              "tma": getattr(hopper_module, "tma", None)}
+    missing = [f"{space}.{name}" for space, names in _REQUIRED.items() for name in names
+               if not hasattr(spaces[space], name)]
+    tma_module = spaces["tma"]
+    if not any(hasattr(tma_module, n) for n in ("async_load", "async_copy_global_to_shared")):
+        missing.append("tma.async_load (or tma.async_copy_global_to_shared)")
+    if missing:
+        return f"Triton {version}: Gluon lacks {', '.join(missing)}"
+    # 3.4 / 3.5 took (default_args, default_partition, worker_args, ...); 3.6+ one list of
+    # (function, args) pairs, which is what the kernel below passes.
+    params = list(inspect.signature(gl_module.warp_specialize).parameters)
+    if not params or params[0] != "functions_and_args":
+        return (f"Triton {version}: gl.warp_specialize takes ({', '.join(params[:3])}, ...), "
+                "not the (functions_and_args, worker_num_warps, worker_num_regs) form of Triton 3.6+")
+    return None
+
+
+cache_registry.register("kernels.attention_gluon_hopper.api_refusal", _api_refusal_for.cache_clear)
+
+
+def gluon_refusal(device) -> str | None:
+    """Why the Gluon kernel cannot run on `device` (a torch.device or string), or None: only
+    NVIDIA sm_90 (H100 / H200 / H20; wgmma and setmaxnreg are sm_90a instructions, absent on
+    sm_100 and sm_120) with a Triton whose Gluon has everything used here."""
+    reason = gluon_api_refusal()
+    if reason:
+        return reason
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the Gluon Hopper kernel needs an NVIDIA sm_90 GPU (got a {device.type} device; no interpreter path)"
+    info = _device.describe(device)
+    if info.vendor != "nvidia":
+        return f"the Gluon Hopper kernel supports NVIDIA GPUs only; {info.name} is {info.arch}"
+    if info.capability != GLUON_CAPABILITY:
+        major, minor = info.capability or (0, 0)
+        return f"the Gluon Hopper kernel uses sm_90a's wgmma and setmaxnreg; {info.name} is sm_{major}{minor}"
+    return None
+
+
+def call_refusal(q, k, v, attn_mask=None, is_causal=False) -> str | None:
+    """Why these tensors cannot be served (same contract as attention_fp8_full), or None."""
+    from .attention_fp8_full import call_refusal as fp8_full_call_refusal
+
+    return fp8_full_call_refusal(q, k, v, attn_mask, is_causal)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, q_smem, qs_smem, k_ring, ks_ring, v_ring,
+                        q_bar, k_full, k_empty, v_full, v_empty, q_row0, k_row0, v_row0, n_kb,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr):
+        # One warp. Order K0, V0, K1, V1...: a consumer asks for K[j+1] before V[j], which
+        # the ring allows whenever STAGES >= 2 (slot (j+1) % STAGES was freed at j+1-STAGES).
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes + qs_desc.block_type.nbytes * (N_OUT > 0)
+        mbarrier.expect(q_bar, 2 * q_bytes)
+        for wg in gl.static_range(2):
+            _tma_load(q_desc, [q_row0 + wg * 64, 0], q_bar, q_smem.index(wg))
+            if N_OUT > 0:
+                _tma_load(qs_desc, [q_row0 + wg * 64, 0], q_bar, qs_smem.index(wg))
+        k_bytes: gl.constexpr = k_desc.block_type.nbytes + ks_desc.block_type.nbytes * (N_OUT > 0)
+        for j in range(n_kb):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            # Parity phase ^ 1 on a fresh barrier passes at once: the first lap needs no wait.
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            mbarrier.expect(k_full.index(slot), k_bytes)
+            _tma_load(k_desc, [k_row0 + j * BLOCK_N, 0], k_full.index(slot), k_ring.index(slot))
+            if N_OUT > 0:
+                _tma_load(ks_desc, [k_row0 + j * BLOCK_N, 0], k_full.index(slot), ks_ring.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [v_row0, j * BLOCK_N], v_full.index(slot), v_ring.index(slot))
+
+    @gluon.jit
+    def _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, j, STAGES: gl.constexpr, N_OUT: gl.constexpr):
+        slot = j % STAGES
+        mbarrier.wait(k_full.index(slot), (j // STAGES) & 1)
+        s = warpgroup_mma(q, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if N_OUT > 0:
+            # The outlier channels' residual products: one more k-step on the same accumulator.
+            s = warpgroup_mma(qs, ks_ring.index(slot).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _softmax_tile(s, m_i, l_i, c, cols, LK, p_layout: gl.constexpr, BOUNDARY: gl.constexpr):
+        # c = sq * sk > 0 de-quantises and holds sm_scale * log2(e): max(s) * c is the max of
+        # the scaled scores and the de-quantising multiply folds into the exp2's argument.
+        if BOUNDARY:
+            s = gl.where(gl.expand_dims(cols < LK, 0), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+        p = gl.exp2(s * c - gl.expand_dims(m_new - 8.8073, 1))  # in [0, 448]: LOG2_P_SCALE
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        return p8, alpha, m_new, l_i
+
+    @gluon.jit
+    def _pv_update(acc, p8, alpha, v_ring, v_full, o_zero, j, o_layout: gl.constexpr, STAGES: gl.constexpr,
+                   TWO_LEVEL: gl.constexpr):
+        slot = j % STAGES
+        mbarrier.wait(v_full.index(slot), (j // STAGES) & 1)
+        a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        if TWO_LEVEL:
+            pv = warpgroup_mma(p8, v_ring.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        else:
+            pv = warpgroup_mma(p8, v_ring.index(slot).permute((1, 0)), acc * a, is_async=True)
+        return pv, a
+
+    @gluon.jit
+    def _mainloop(q, qs, k_ring, ks_ring, v_ring, k_full, k_empty, v_full, v_empty, s_zero, o_zero, acc,
+                  m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout: gl.constexpr, o_layout: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr):
+        # Each warpgroup on its own: Q.K^T of tile j+1 is issued before tile j's softmax;
+        # the two warpgroups interleave as the warp schedulers see fit (FlashAttention-3's
+        # explicit ping-pong, turn barriers between the warpgroups, measured 15-20% slower
+        # here on the H200: 642 against 770 TFLOP/s at Wan).
+        s = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, 0, STAGES, N_OUT)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        for j in range(0, NKB - 1):
+            # Tile j+1's scores go to the tensor cores now and run under tile j's softmax.
+            s_next = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, j + 1, STAGES, N_OUT)
+            c = q_scale * gl.load(SK + j)
+            p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, offs_n, LK, p_layout, False)
+            pv, a = _pv_update(acc, p8, alpha, v_ring, v_full, o_zero, j, o_layout, STAGES, TWO_LEVEL)
+            s, pv = warpgroup_mma_wait(0, deps=(s_next, pv))
+            mbarrier.arrive(k_empty.index((j + 1) % STAGES), count=1)
+            mbarrier.arrive(v_empty.index(j % STAGES), count=1)
+            if TWO_LEVEL:
+                acc = acc * a + pv
+            else:
+                acc = pv
+        # Last key tile: the only one that can hold padded keys, masked to -inf here.
+        last = NKB - 1
+        c = q_scale * gl.load(SK + last)
+        p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, last * BLOCK_N + offs_n, LK, p_layout, True)
+        pv, a = _pv_update(acc, p8, alpha, v_ring, v_full, o_zero, last, o_layout, STAGES, TWO_LEVEL)
+        pv = warpgroup_mma_wait(0, deps=(pv,))
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+        if TWO_LEVEL:
+            acc = acc * a + pv
+        else:
+            acc = pv
+        return acc, l_i
+
+    @gluon.jit
+    def _consumer_partition(q_smem, qs_smem, k_ring, ks_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty,
+                            SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB, NKB,
+                            WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                            BLOCK_D: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
+                            TWO_LEVEL: gl.constexpr):
+        ROWS: gl.constexpr = 64
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_D, 32])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+        q = q_smem.index(WG)
+        qs = qs_smem.index(WG)
+        bh64 = bh.to(gl.int64)
+        q_scale = gl.load(SQ + bh64 * NQB + start_m)
+        SK = SK + bh64 * NKB
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        o_zero = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
+        acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([ROWS], gl.float32, row_layout)
+        offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+
+        mbarrier.wait(q_bar, 0)
+        acc, l_i = _mainloop(q, qs, k_ring, ks_ring, v_ring, k_full, k_empty, v_full, v_empty, s_zero, o_zero,
+                             acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout, o_layout, BLOCK_N, STAGES,
+                             N_OUT, TWO_LEVEL)
+
+        # Epilogue in fp32: V's per-channel scale, 1 / l (the 448 of P cancels) and V's mean.
+        offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+        rows = start_m * 128 + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        sv = gl.load(SV + bh64 * BLOCK_D + offs_d)
+        v_mean = gl.load(VMEAN + bh64 * BLOCK_D + offs_d)
+        inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
+        out = acc * gl.expand_dims(inv_l, 1) * gl.expand_dims(sv, 0) + gl.expand_dims(v_mean, 0)
+        ptrs = O + o_row0 + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(offs_d * stride_od, 0)
+        mask = gl.expand_dims(rows < LQ, 1) & gl.expand_dims(offs_d < HEAD_DIM, 0)
+        gl.store(ptrs, out.to(O.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _attn_fp8_gluon_fwd(
+        q_desc, qs_desc, k_desc, ks_desc, v_desc, SQ, SK, SV, VMEAN, O,
+        stride_ob, stride_oh, stride_om, stride_od,
+        H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+        N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+    ):
+        start_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        off_b = bh // H
+        off_h = bh % H
+        # Shared memory is allocated before the partitions fork: Q for both warpgroups
+        # (16 KB at d128), the K ring (K8 + side columns) and the VT ring.
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [2] + qs_desc.block_type.shape, qs_desc.layout)
+        k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        ks_ring = gl.allocate_shared_memory(ks_desc.dtype, [STAGES] + ks_desc.block_type.shape, ks_desc.layout)
+        v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_full.index(i), count=1)
+            mbarrier.init(v_full.index(i), count=1)
+            # Both consumer warpgroups read every slot: it is free once both have arrived.
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()
+
+        q_row0 = bh * LQ_PAD + start_m * 128
+        o_row0 = off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
+        gl.warp_specialize([
+            (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty,
+                                   SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB, NKB,
+                                   0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL)),
+            (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty,
+                                   SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB, NKB,
+                                   1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL)),
+            (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, q_smem, qs_smem, k_ring, ks_ring, v_ring,
+                               q_bar, k_full, k_empty, v_full, v_empty, q_row0, bh * LK_PAD, bh * BLOCK_D, NKB,
+                               BLOCK_N, STAGES, N_OUT)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ---- host side ----------------------------------------------------------------------------
+
+def _fp8_layout(block_shape):
+    return shared_layout(tuple(block_shape), "fp8e4nv")
+
+
+# get_default_for costs ~20 us a call and a launch needs up to five: remembered per
+# (block shape, element type), the only inputs of the answer.
+@lru_cache(maxsize=None)
+def shared_layout(block_shape: tuple, dtype_name: str):
+    """The NVMMA shared layout of a TMA box of `block_shape` with elements `dtype_name`
+    (fp8e4nv, bf16, fp16): 128-byte swizzle where the box's rows allow it."""
+    dtype = {"fp8e4nv": gl.float8e4nv, "bf16": gl.bfloat16, "fp16": gl.float16}[dtype_name]
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
+cache_registry.register("kernels.attention_gluon_hopper.shared_layout", shared_layout.cache_clear)
+
+
+def _block_shapes(block_n: int, block_d: int, side: int):
+    """TMA box of each operand: Q / Q-side per warpgroup (64 rows), K / K-side per key tile,
+    VT as [head dim, keys] (keys contiguous: the K-major B operand of P.V)."""
+    return dict(q=[ROWS_PER_WARPGROUP, block_d], qs=[ROWS_PER_WARPGROUP, side], k=[block_n, block_d],
+                ks=[block_n, side], v=[block_d, block_n])
+
+
+def default_config(device=None) -> dict:
+    del device  # one target: sm_90
+    return dict(GLUON_CONFIGS["sm90"])
+
+
+def attention_gluon_fp8(q, k, v, scale=None, config=None, n_outlier: int = N_OUTLIER):
+    """softmax(q k^T * scale) v with Q.K^T and P.V in e4m3 on sm_90, quantisation included;
+    q, k, v [B, H, L, D] fp16/bf16 (any strides, D <= 128, no mask, no causal, no GQA, any
+    lengths >= 1); output in q's dtype, a contiguous [B, H, Lq, D] tensor. Raises
+    GluonUnsupportedError with the reason when the device, Triton or the call is refused."""
+    reason = call_refusal(q, k, v) or gluon_refusal(q.device)
+    if reason:
+        raise GluonUnsupportedError(f"attention_gluon_fp8: {reason}")
+    config = config or default_config(q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
+        return torch.empty_like(q)
+    if k.shape[2] == 0:
+        raise GluonUnsupportedError("attention_gluon_fp8: zero keys (softmax over nothing)")
+    qkv = quantize_qkv(q, k, v, scale, BLOCK_M, config["BLOCK_N"], n_outlier)
+    return attention_gluon_fp8_quantized(qkv, q.shape, k.shape[2], q.dtype, q.device, config)
+
+
+def attention_gluon_fp8_quantized(qkv, q_shape, lk: int, dtype, device, config):
+    """The Gluon kernel alone on quantize_qkv(..., block_m=128, block_n=config's BLOCK_N)."""
+    B, H, Lq, D = q_shape
+    out = torch.empty(B, H, Lq, D, dtype=dtype, device=device)
+    bh, lq_pad, block_d = qkv.q8.shape
+    lk_pad = qkv.k8.shape[1]
+    if qkv.block_m != BLOCK_M or qkv.block_n != config["BLOCK_N"]:
+        raise ValueError(f"quantize_qkv blocks ({qkv.block_m}, {qkv.block_n}) != kernel's ({BLOCK_M}, {config['BLOCK_N']})")
+    side = max(2 * qkv.n_outlier, 16)  # the side operands' width (16 bytes, unused, when n_outlier = 0)
+    shapes = _block_shapes(config["BLOCK_N"], block_d, side)
+    flat = dict(q=qkv.q8.view(bh * lq_pad, block_d), qs=qkv.qs.view(bh * lq_pad, side),
+                k=qkv.k8.view(bh * lk_pad, block_d), ks=qkv.ks.view(bh * lk_pad, side),
+                v=qkv.vt8.view(bh * block_d, lk_pad))
+    desc = {n: TensorDescriptor.from_tensor(t, shapes[n], _fp8_layout(shapes[n])) for n, t in flat.items()}
+    grid = (qkv.sq.shape[1], bh)
+    _attn_fp8_gluon_fwd[grid](
+        desc["q"], desc["qs"], desc["k"], desc["ks"], desc["v"], qkv.sq, qkv.sk, qkv.sv, qkv.vmean, out,
+        *out.stride(), H, Lq, lk, lq_pad, lk_pad, qkv.sq.shape[1], qkv.sk.shape[1],
+        HEAD_DIM=D, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"], N_OUT=qkv.n_outlier,
+        TWO_LEVEL=config["TWO_LEVEL"], CONSUMER_REGS=config["CONSUMER_REGS"],
+        PRODUCER_REGS=config["PRODUCER_REGS"], num_warps=4)
+    return out
+
+
+def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OUTLIER):
+    """[(name, kernel, signature, constexprs, attrs, num_warps)] for
+    triton.compile(GluonASTSource(...)) of the attention kernel, specialised as a launch on
+    contiguous [B, H, L, D] tensors specialises it (tensor descriptors by their block shape
+    and shared layout)."""
+    block_d = padded_head_dim(head_dim)
+    side = max(2 * n_outlier, 16)
+    shapes = _block_shapes(config["BLOCK_N"], block_d, side)
+    descs = {f"{n}_desc": f"tensordesc<fp8e4nv[{', '.join(map(str, s))}],{_fp8_layout(s)!r}>" for n, s in shapes.items()}
+    names = ["q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "SQ", "SK", "SV", "VMEAN", "O",
+             "stride_ob", "stride_oh", "stride_om", "stride_od", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB"]
+    types = dict(descs, O=f"*{dtype}", **{n: "*fp32" for n in ("SQ", "SK", "SV", "VMEAN")})
+    sig = {n: types.get(n, "i32") for n in names}
+    const = dict(stride_od=1, HEAD_DIM=head_dim, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"],
+                 N_OUT=n_outlier, TWO_LEVEL=config["TWO_LEVEL"], CONSUMER_REGS=config["CONSUMER_REGS"],
+                 PRODUCER_REGS=config["PRODUCER_REGS"])
+    for n in const:
+        sig[n] = "constexpr"
+    order = list(sig)
+    aligned = ["SV", "VMEAN", "O", "stride_ob", "stride_oh", "stride_om", "LQ_PAD", "LK_PAD"]
+    attrs = {(order.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return [("_attn_fp8_gluon_fwd", _attn_fp8_gluon_fwd, sig, const, attrs, 4)]
+
+
+__all__ = ["attention_gluon_fp8", "attention_gluon_fp8_quantized", "gluon_refusal", "gluon_api_refusal",
+           "api_gaps", "call_refusal", "compile_specs", "default_config", "GluonUnsupportedError", "GLUON_CONFIGS",
+           "MAX_HEAD_DIM", "BLOCK_M"]

@@ -1,0 +1,638 @@
+"""TritonAccelPatchLinear / TritonAccelPatch: the diffusion model's Linear layers through kernels.linear.
+
+How, and why this way:
+- ComfyUI binds its Linear classes (comfy.ops.*.Linear) into the model when it loads it, and
+  clones of a ModelPatcher share that one model. So nothing global is touched: on a clone,
+  each layer's `forward` becomes an object patch ("diffusion_model.<name>.forward"), which
+  ComfyUI installs when that clone is loaded and restores when it is unloaded. The input model
+  and every other clone keep ComfyUI's Linear.
+- A call is ours only when the layer's weight is a plain tensor on the input's device with no
+  on-the-fly patch. Everything else (weights offloaded by low-VRAM / partial loading,
+  weight_function / bias_function (LoRA applied per call in low-VRAM mode), ComfyUI's own
+  QuantizedTensor layers, unsupported dtypes, too few tokens, skip patterns) goes to the
+  layer's original forward, counted per reason in call_stats (kind "linear").
+- Weights are quantised once per weight version, on the device that runs them, all layers of
+  the model together on its first call there (one progress bar, one log line). The version key
+  is (id(param), data_ptr, _version, device, dtype) plus the patches_uuid of the weight
+  patches ComfyUI loaded last: LoRA merged by replacing the Parameter changes id/data_ptr, but
+  an in-place merge goes through `param.data.copy_`, which bumps no version counter.
+- FP8 checkpoint weights (float8_e4m3fn, with `scale_weight` when scaled) go to the kernels
+  as they are.
+- Quality guard: the first call of each layer on each weight version runs both ways and
+  compares; NaN/Inf or a rel. L2 above GUARD_MAX_REL_L2 sends that layer back to ComfyUI's
+  Linear for good (per device), shown by the Settings node and the stats route.
+- Prepared weights are freed when the clone is unpatched (ComfyUI's ON_DETACH callback with
+  unpatch_all) or garbage-collected (weakref.finalize on the clone).
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.gpu_rules import LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY, LINEAR_INT8_W8A8, PATH_PYTORCH
+from . import call_stats
+from .settings import SEARCH_ALIASES as ATTENTION_SEARCH_ALIASES
+from .settings import SETTINGS_TYPE, AccelSettings, default_device, patched_model_text
+
+log = logging.getLogger("triton_accel")
+
+KIND = call_stats.KIND_LINEAR
+CALLBACK_KEY = "triton_accel_linear"
+# Below this many rows (tokens x batch) a call goes to ComfyUI's Linear. Under one 64-row MMA
+# tile (wgmma's M) the GEMM reads the whole weight for a handful of rows, and the separate
+# activation-quantisation launch (a few microseconds) cannot be repaid: these calls are the
+# modulation and embedding layers (one row per image) and short text streams.
+MIN_TOKENS = 64
+# Largest rel. L2 (output vs ComfyUI's Linear on the same input) the quality guard accepts per
+# method. e4m3 keeps 3 mantissa bits: rounding one operand per channel/token gives ~0.024 on
+# Gaussian data (measured on the CPU: fp8_weight_only of a bf16 weight 0.024; both operands,
+# fp8_w8a8, 0.034; on the H200 with outlier channels 0.027-0.029). int8 after rotation is
+# coarser on outliers. FP8 checkpoint weights in weight-only mode differ from ComfyUI's
+# upcast only by FP16/BF16 rounding (~0.003), so 0.04 still catches a broken kernel.
+GUARD_MAX_REL_L2 = {LINEAR_FP8_W8A8: 0.05, LINEAR_INT8_W8A8: 0.06, LINEAR_FP8_WEIGHT_ONLY: 0.04}
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+WEIGHT_DTYPES = INPUT_DTYPES + (torch.float8_e4m3fn,)
+
+SKIP_AUTO = "auto"
+# Names relative to diffusion_model, matched lower-case with fnmatch (a name must match the
+# whole pattern, so "proj_out" is only the top-level layer). "re:<regex>" entries are regexes.
+DEFAULT_SKIP_PATTERNS = (
+    # embedders: Flux / Chroma / HunyuanVideo (txt_in is Hunyuan's token refiner), Wan
+    # (patch_embedding is a Conv3d), SD1.5 / SDXL, SD3 / DiT-style, Qwen-Image
+    "img_in", "img_in.*", "txt_in", "txt_in.*", "time_in.*", "vector_in.*", "guidance_in.*",
+    "patch_embedding", "text_embedding.*", "time_embedding.*", "time_projection.*", "img_emb.*",
+    "time_embed.*", "label_emb.*", "x_embedder*", "t_embedder.*", "y_embedder.*", "context_embedder*",
+    "time_text_embed.*",
+    # final layers: Flux / HunyuanVideo / SD3 / Lumina final_layer, Wan head, Qwen-Image proj_out / norm_out
+    "final_layer.*", "head.*", "proj_out", "norm_out.*",
+    # modulation (adaLN: one row per image, and the scale/shift feed every token), SD resblocks' emb_layers
+    "*modulation*", "*adaln*", "*_mod.*", "*emb_layers*",
+)
+
+REASON_ARGUMENTS = "forward called with more than the input"
+REASON_INPUT_TYPE = "input is not a plain tensor (ComfyUI QuantizedTensor input)"
+REASON_QUANTIZED = "ComfyUI quantized layer (QuantizedTensor / mixed-precision ops): left to ComfyUI"
+REASON_WEIGHT_FUNCTION = "weight patched per call (weight_function / bias_function: LoRA in low-VRAM mode)"
+REASON_OFFLOADED = "weights not on the input's device (low-VRAM offload / partial loading)"
+# ComfyUI 0.2x+ "dynamic VRAM" (comfy-aimdo, the default on NVIDIA there): a layer whose weights
+# live in a virtual buffer (`_v`) keeps its parameters on the CPU and is cast per call.
+REASON_DYNAMIC_VRAM = ("weights streamed by ComfyUI's dynamic VRAM (start ComfyUI with --disable-dynamic-vram "
+                       "or --highvram to keep them resident)")
+REASON_SHAPE = "input features do not match the weight"
+REASON_GUARD = "quality guard: this layer's output differed from ComfyUI's (see linear_fallbacks)"
+REASON_KERNEL_ERROR = "our kernel raised an error on this layer (see the log)"
+REASON_COMPILING = "weights not prepared yet (torch.compile traces the first call)"
+
+
+class HandBack(Exception):
+    """This call goes to the layer's original forward; the message is the counted reason."""
+
+
+# ---- skip patterns --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SkipPatterns:
+    globs: tuple[str, ...] = ()
+    regexes: tuple[tuple[str, re.Pattern], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> SkipPatterns:
+        """Comma-separated fnmatch patterns, `re:<regex>` entries, and `auto` for the defaults.
+
+        Raises ValueError (with the entry) for a regex that does not compile.
+        """
+        globs, regexes = [], []
+        for entry in (part.strip() for part in (text or "").split(",")):
+            if not entry:
+                continue
+            if entry.lower() == SKIP_AUTO:
+                globs.extend(DEFAULT_SKIP_PATTERNS)
+            elif entry.startswith("re:"):
+                try:
+                    regexes.append((entry, re.compile(entry[3:])))
+                except re.error as e:
+                    raise ValueError(f"skip pattern {entry!r} is not a valid regex: {e}") from None
+            else:
+                globs.append(entry.lower())
+        return cls(tuple(dict.fromkeys(globs)), tuple(regexes))
+
+    def match(self, name: str) -> str | None:
+        """The first pattern `name` matches, or None."""
+        lowered = name.lower()
+        for pattern in self.globs:
+            if fnmatch.fnmatchcase(lowered, pattern):
+                return pattern
+        for entry, regex in self.regexes:
+            if regex.fullmatch(name):
+                return entry
+        return None
+
+
+# ---- the kernels (a seam: tests pass a deliberately broken backend) -------------------------
+
+@dataclass(frozen=True)
+class LinearBackend:
+    prepare: object  # prepare_weight(weight, method, weight_scale) -> PreparedLinearWeight
+    run: object  # linear(x, prepared, bias, out_dtype) -> Tensor
+    refusal: object  # linear_refusal(method, device, dtype) -> str | None
+    input_error: type = ValueError  # what `prepare` raises for a weight it cannot take
+
+
+def default_backend() -> LinearBackend:
+    from .. import kernels
+
+    return LinearBackend(kernels.prepare_weight, kernels.linear, kernels.linear_refusal, kernels.LinearInputError)
+
+
+# ---- per-layer state ------------------------------------------------------------------------
+
+@dataclass
+class PreparedEntry:
+    key: tuple
+    method: str
+    prepared: object = None  # PreparedLinearWeight, or None when `refusal` says why not
+    refusal: str | None = None
+    guarded: bool = False  # the quality guard ran on this weight version
+    shared_bytes: int = 0  # FP8 checkpoint weights used as they are: the model's own storage
+
+    def nbytes(self) -> int:
+        """Memory this entry adds to the model's own."""
+        return self.prepared.nbytes() - self.shared_bytes if self.prepared is not None else 0
+
+
+def is_linear_module(module: torch.nn.Module) -> bool:
+    """torch.nn.Linear (every comfy.ops Linear but one) or ComfyUI's mixed-precision Linear
+    (a plain Module with comfy_cast_weights), with a 2-D weight."""
+    if not (isinstance(module, torch.nn.Linear)
+            or (type(module).__name__ == "Linear" and hasattr(module, "comfy_cast_weights"))):
+        return False
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def _is_quantized_layer(module, weight) -> bool:
+    # QuantizedTensor (and any other tensor subclass) survives nn.Parameter() as its own type.
+    return (getattr(module, "layout_type", None) is not None or getattr(module, "quant_format", None) is not None
+            or type(weight) not in (torch.nn.Parameter, torch.Tensor))
+
+
+def _weight_version(weight: torch.Tensor) -> int:
+    try:
+        return weight._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return -1
+
+
+def _is_compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:
+        return False
+
+
+class LinearLayer:
+    """The object patch that replaces one layer's forward; shared by clones, never copied."""
+
+    def __init__(self, state: LinearPatchState, name: str, module: torch.nn.Module, previous):
+        self.state = state
+        self.name = name
+        self.module = module
+        self.previous = previous  # the forward it replaces (ComfyUI's, or another node's patch)
+        pattern = state.skip.match(name)
+        self.skip_reason = f"name matches skip pattern {pattern!r}" if pattern else None
+        self.entries: dict[str, PreparedEntry] = {}  # per device
+        self.fallbacks: dict[str, str] = {}  # device -> why this layer runs ComfyUI's Linear for good
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _original(self, args, kwargs, reason: str):
+        call_stats.record(call_stats.OUTCOME_HANDED_BACK, reason, kind=KIND, model=self.state.label)
+        return self.previous(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        compiling = _is_compiling()
+        if not compiling and self.state.interrupt_check is not None:
+            self.state.interrupt_check()  # what ComfyUI's Linear.forward does first (Cancel)
+        try:
+            if len(args) != 1 or kwargs:
+                raise HandBack(REASON_ARGUMENTS)
+            x = args[0]
+            entry = self.state.entry_for(self, x, compiling)
+        except HandBack as e:
+            return self._original(args, kwargs, str(e))
+        if not entry.guarded:
+            return self.state.guarded_call(self, x, entry)
+        try:
+            out = self.state.backend.run(x, entry.prepared, self.bias_for(x), x.dtype)
+        except Exception as e:  # any kernel failure (compile, launch, memory): ComfyUI's Linear serves the layer
+            self.state.fall_back(self, x.device, f"kernel error: {type(e).__name__}: {e}")
+            return self._original(args, kwargs, REASON_KERNEL_ERROR)
+        call_stats.record(call_stats.OUTCOME_SERVED, path=entry.method, kind=KIND, model=self.state.label)
+        return out
+
+    def bias_for(self, x: torch.Tensor):
+        bias = self.module.bias
+        # ComfyUI casts the bias to the input's dtype (cast_bias_weight's bias_dtype) too.
+        return None if bias is None else bias.to(x.dtype)
+
+    def check_call(self, x, min_tokens: int) -> None:
+        """HandBack unless this call's input and weights are ours to serve (cheap checks only)."""
+        if self.skip_reason:
+            raise HandBack(self.skip_reason)
+        if type(x) is not torch.Tensor:
+            raise HandBack(REASON_INPUT_TYPE)
+        module = self.module
+        weight = module.weight
+        if _is_quantized_layer(module, weight):
+            raise HandBack(REASON_QUANTIZED)
+        if len(getattr(module, "weight_function", ())) or len(getattr(module, "bias_function", ())):
+            raise HandBack(REASON_WEIGHT_FUNCTION)
+        fallback = self.fallbacks.get(str(x.device))
+        if fallback is not None:
+            raise HandBack(REASON_GUARD if fallback.startswith("quality guard") else REASON_KERNEL_ERROR)
+        bias = module.bias
+        if weight.device != x.device or (bias is not None and bias.device != x.device):
+            raise HandBack(REASON_DYNAMIC_VRAM if hasattr(module, "_v") else REASON_OFFLOADED)
+        if x.dtype not in INPUT_DTYPES:
+            raise HandBack(f"input dtype {x.dtype} is not float16/bfloat16/float32")
+        if weight.dtype not in WEIGHT_DTYPES:
+            raise HandBack(f"weight dtype {weight.dtype} is not float16/bfloat16/float32/float8_e4m3fn")
+        if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+            raise HandBack(REASON_SHAPE)
+        if x.numel() // weight.shape[1] < min_tokens:
+            raise HandBack(self.state.few_tokens_reason)
+
+
+# ---- per-model state ------------------------------------------------------------------------
+
+_live_states: weakref.WeakSet[LinearPatchState] = weakref.WeakSet()
+
+
+class LinearPatchState:
+    """Everything one patched model shares: settings, layers, prepared weights, guard results."""
+
+    def __init__(self, settings: AccelSettings, skip: SkipPatterns, min_tokens: int = MIN_TOKENS,
+                 backend: LinearBackend | None = None, label: str | None = None):
+        self.settings = settings
+        self.skip = skip
+        self.min_tokens = int(min_tokens)
+        self.few_tokens_reason = f"fewer than {self.min_tokens} tokens: quantising cannot pay"
+        self.backend = backend or default_backend()
+        self.label = label
+        self.layers: list[LinearLayer] = []
+        self.weights_token = None  # patches_uuid of the weight patches ComfyUI loaded last
+        self.interrupt_check = None
+        self._refusals: dict[tuple, str | None] = {}
+        self._lock = threading.RLock()
+        _live_states.add(self)
+
+    # -- what serves a call
+    def method_for(self, device: torch.device, weight: torch.Tensor) -> str:
+        decision = self.settings.linear_decision_for(device, weight.dtype == torch.float8_e4m3fn)
+        if decision.path == PATH_PYTORCH:
+            raise HandBack(decision.reason)
+        return decision.path
+
+    def refusal(self, method: str, device: torch.device, dtype) -> str | None:
+        key = (method, str(device), dtype)
+        if key not in self._refusals:
+            self._refusals[key] = self.backend.refusal(method, device, dtype)
+        return self._refusals[key]
+
+    def weight_key(self, module, device: torch.device) -> tuple:
+        w = module.weight
+        scale = getattr(module, "scale_weight", None)
+        scale_key = None if scale is None else (id(scale), scale.data_ptr(), _weight_version(scale))
+        return (id(w), w.data_ptr(), _weight_version(w), str(device), w.dtype, self.weights_token, scale_key)
+
+    def entry_for(self, layer: LinearLayer, x, compiling: bool = False) -> PreparedEntry:
+        """The prepared weight that serves this call (preparing the model's layers if it is
+        stale), or HandBack with the reason."""
+        layer.check_call(x, self.min_tokens)
+        device = x.device
+        method = self.method_for(device, layer.module.weight)
+        refusal = self.refusal(method, device, x.dtype)
+        if refusal:
+            raise HandBack(refusal)
+        entry = layer.entries.get(str(device))
+        if entry is None or entry.method != method or entry.key != self.weight_key(layer.module, device):
+            if compiling:
+                raise HandBack(REASON_COMPILING)
+            self.prepare_all(device)
+            entry = layer.entries.get(str(device))
+            if entry is None:  # prepare_all found the layer unusable on this device after all
+                raise HandBack(REASON_OFFLOADED)
+        if entry.refusal:
+            raise HandBack(entry.refusal)
+        return entry
+
+    # -- preparing weights
+    def _stale_layers(self, device: torch.device) -> list[tuple[LinearLayer, str, tuple]]:
+        stale = []
+        for layer in self.layers:
+            module = layer.module
+            weight = getattr(module, "weight", None)
+            if (layer.skip_reason or str(device) in layer.fallbacks or weight is None
+                    or _is_quantized_layer(module, weight) or weight.device != device
+                    or weight.dtype not in WEIGHT_DTYPES
+                    or len(getattr(module, "weight_function", ())) or len(getattr(module, "bias_function", ()))):
+                continue
+            try:
+                method = self.method_for(device, weight)
+            except HandBack:
+                continue
+            key = self.weight_key(module, device)
+            entry = layer.entries.get(str(device))
+            if entry is None or entry.key != key or entry.method != method:
+                stale.append((layer, method, key))
+        return stale
+
+    def _prepare_one(self, layer: LinearLayer, method: str, key: tuple) -> PreparedEntry:
+        module = layer.module
+        weight = module.weight.detach()
+        scale = getattr(module, "scale_weight", None) if weight.dtype == torch.float8_e4m3fn else None
+        try:
+            with torch.no_grad():
+                prepared = self.backend.prepare(weight, method, None if scale is None else scale.detach())
+            q = getattr(prepared, "weight", None)
+            shared = weight.numel() * weight.element_size() \
+                if isinstance(q, torch.Tensor) and q.data_ptr() == weight.data_ptr() else 0
+            return PreparedEntry(key, method, prepared, shared_bytes=shared)
+        except self.backend.input_error as e:
+            return PreparedEntry(key, method, refusal=str(getattr(e, "reason", e)))
+        except Exception as e:  # out of memory, a kernel that cannot compile: ComfyUI's Linear serves it
+            log.warning("Triton Accel Linear: could not prepare %s for %s: %s: %s", layer.name, method,
+                        type(e).__name__, e)
+            return PreparedEntry(key, method, refusal=f"could not prepare the weight: {type(e).__name__}")
+
+    def prepare_all(self, device: torch.device) -> None:
+        """Quantise every stale layer whose weights are on `device`, with one progress bar and one log line."""
+        with self._lock:
+            stale = self._stale_layers(device)
+            if not stale:
+                return
+            started = time.perf_counter()
+            bar = _progress_bar(len(stale))
+            for done, (layer, method, key) in enumerate(stale, 1):
+                layer.entries[str(device)] = self._prepare_one(layer, method, key)
+                if bar is not None:
+                    bar.update_absolute(done)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - started
+            entries = [layer.entries[str(device)] for layer, _, _ in stale]
+            refused = [e.refusal for e in entries if e.refusal]
+            methods = sorted({e.method for e in entries if e.prepared is not None})
+            total = sum(e.nbytes() for layer in self.layers for e in [layer.entries.get(str(device))] if e)
+            log.info("Triton Accel Linear%s: prepared %d layers (%s) on %s in %.2f s; %.1f MiB of prepared "
+                     "weights on %s%s", f" ({self.label})" if self.label else "", len(stale) - len(refused),
+                     ", ".join(methods) or "none", device, seconds, total / 2**20, device,
+                     f"; {len(refused)} left to ComfyUI's Linear (e.g. {refused[0]})" if refused else "")
+
+    # -- the quality guard
+    def guarded_call(self, layer: LinearLayer, x: torch.Tensor, entry: PreparedEntry):
+        """Run ComfyUI's Linear and ours on the same input once; keep ours only if it agrees."""
+        reference = layer.previous(x)
+        try:
+            ours = self.backend.run(x, entry.prepared, layer.bias_for(x), x.dtype)
+        except Exception as e:
+            self.fall_back(layer, x.device, f"kernel error: {type(e).__name__}: {e}")
+            call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_KERNEL_ERROR, kind=KIND, model=self.label)
+            return reference
+        entry.guarded = True
+        failure = guard_failure(ours, reference, GUARD_MAX_REL_L2[entry.method])
+        if failure is not None:
+            self.fall_back(layer, x.device, f"quality guard ({entry.method}): {failure}")
+            call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_GUARD, kind=KIND, model=self.label)
+            return reference
+        call_stats.record(call_stats.OUTCOME_SERVED, path=entry.method, kind=KIND, model=self.label)
+        return ours
+
+    def fall_back(self, layer: LinearLayer, device: torch.device, reason: str) -> None:
+        with self._lock:
+            layer.fallbacks[str(device)] = reason
+            layer.entries.pop(str(device), None)
+        log.warning("Triton Accel Linear: %s on %s goes back to ComfyUI's Linear for good: %s",
+                    layer.name, device, reason)
+
+    # -- lifetime
+    def on_load(self, patcher, *args, **kwargs) -> None:
+        """ComfyUI's ON_LOAD callback: weights may have been re-patched (a LoRA, in place)."""
+        self.weights_token = getattr(patcher, "patches_uuid", None)
+
+    def on_detach(self, patcher, unpatch_all: bool = True) -> None:
+        """ComfyUI's ON_DETACH callback. Only a real unpatch frees the prepared weights: a clone
+        deleted while another one runs also detaches (unpatch_all=False) and must not."""
+        if unpatch_all:
+            self.release()
+
+    def release(self) -> None:
+        with self._lock:
+            for layer in self.layers:
+                layer.entries.clear()
+
+    def prepared_bytes(self) -> int:
+        return sum(e.nbytes() for layer in self.layers for e in layer.entries.values())
+
+    def fallback_report(self) -> list[dict]:
+        return [{"model": self.label, "layer": layer.name, "device": device, "reason": reason}
+                for layer in self.layers for device, reason in layer.fallbacks.items()]
+
+
+def guard_failure(ours: torch.Tensor, reference: torch.Tensor, max_rel_l2: float) -> str | None:
+    """Why `ours` is not an acceptable stand-in for `reference`, or None."""
+    if ours.shape != reference.shape:
+        return f"shape {tuple(ours.shape)} instead of {tuple(reference.shape)}"
+    ours32, ref32 = ours.detach().float(), reference.detach().float()
+    if not bool(torch.isfinite(ref32).all()):
+        return "ComfyUI's own output has NaN/Inf here: nothing to compare with"
+    if not bool(torch.isfinite(ours32).all()):
+        return "NaN/Inf in our output"
+    ref_norm = ref32.norm().item()
+    diff = (ours32 - ref32).norm().item()
+    rel = diff / ref_norm if ref_norm > 0 else (0.0 if diff == 0 else float("inf"))
+    if rel > max_rel_l2:
+        return f"rel. L2 {rel:.3g} > {max_rel_l2}"
+    return None
+
+
+def _progress_bar(total: int):
+    """ComfyUI's progress bar on the node that is running (None outside ComfyUI)."""
+    utils = sys.modules.get("comfy.utils")
+    if utils is None or not hasattr(utils, "ProgressBar"):
+        return None
+    try:
+        return utils.ProgressBar(total)
+    except Exception:
+        return None
+
+
+def fallback_report() -> list[dict]:
+    """Every layer the quality guard (or a kernel error) sent back, in every live patched model."""
+    return [row for state in list(_live_states) for row in state.fallback_report()]
+
+
+def fallback_summary(limit: int = 5) -> str:
+    """One line per sent-back layer (at most `limit`) for the Settings node; "" when none."""
+    rows = fallback_report()
+    if not rows:
+        return ""
+    lines = [f"Linear layers on ComfyUI's Linear after the quality guard: {len(rows)}"]
+    lines += [f"  {r['model'] or ''} {r['layer']} ({r['device']}): {r['reason']}".replace("   ", " ")
+              for r in rows[:limit]]
+    if len(rows) > limit:
+        lines.append(f"  ... and {len(rows) - limit} more (GET /triton_accel/stats: linear_fallbacks)")
+    return "\n".join(lines)
+
+
+# ---- patching a ModelPatcher ----------------------------------------------------------------
+
+def _interrupt_check():
+    management = sys.modules.get("comfy.model_management")
+    return getattr(management, "throw_exception_if_processing_interrupted", None)
+
+
+def patch_linear_model(model, settings: AccelSettings | None = None, skip: str = SKIP_AUTO,
+                       min_tokens: int = MIN_TOKENS, backend: LinearBackend | None = None,
+                       label: str | None = None):
+    """A clone of `model` (a ComfyUI ModelPatcher) whose diffusion model's Linear layers go
+    through kernels.linear. `label`: call_stats' name for the clone (a new one when None).
+    Raises ValueError for a skip pattern that does not parse."""
+    settings = settings or AccelSettings("auto")
+    patterns = SkipPatterns.parse(skip)
+    patched = model.clone()
+    label = label or call_stats.new_model_label(type(getattr(model, "model", model)).__name__)
+    state = LinearPatchState(settings, patterns, min_tokens, backend, label)
+    state.interrupt_check = _interrupt_check()
+    state.weights_token = getattr(patched, "patches_uuid", None)
+    diffusion_model = patched.model.diffusion_model
+    for name, module in diffusion_model.named_modules():
+        if not name or not is_linear_module(module):
+            continue
+        key = f"diffusion_model.{name}.forward"
+        previous = patched.get_model_object(key)
+        while isinstance(previous, LinearLayer):  # re-patching one of our clones: wrap ComfyUI's forward
+            previous = previous.previous
+        layer = LinearLayer(state, name, module, previous)
+        state.layers.append(layer)
+        patched.add_object_patch(key, layer)
+    _add_callbacks(patched, state)
+    weakref.finalize(patched, state.release)
+    patched.triton_accel_linear = state  # for the node's text and tests; clones do not copy it
+    skipped = sum(1 for layer in state.layers if layer.skip_reason)
+    log.info("Triton Accel Linear (%s): %d Linear layers patched (%d skipped by name, fewer than %d tokens "
+             "go to ComfyUI's Linear)", label, len(state.layers), skipped, state.min_tokens)
+    return patched
+
+
+def _add_callbacks(patched, state: LinearPatchState) -> None:
+    add = getattr(patched, "add_callback_with_key", None)
+    if add is None:
+        return
+    try:
+        from comfy.patcher_extension import CallbacksMP
+
+        on_load, on_detach = CallbacksMP.ON_LOAD, CallbacksMP.ON_DETACH
+    except ImportError:  # outside ComfyUI (tests): the same names ComfyUI uses
+        on_load, on_detach = "on_load_after", "on_detach_after"
+    add(on_load, CALLBACK_KEY, state.on_load)
+    add(on_detach, CALLBACK_KEY, state.on_detach)
+
+
+# ---- the nodes ------------------------------------------------------------------------------
+
+def patched_linear_text(patched, settings: AccelSettings) -> str:
+    """What the Linear patch node shows: layers patched / skipped and the method for the model's
+    device. Never raises: a patch node must patch."""
+    state = patched.triton_accel_linear
+    skipped = sum(1 for layer in state.layers if layer.skip_reason)
+    text = (f"{state.label}: {len(state.layers)} Linear layers patched, {skipped} of them skipped by name; "
+            f"calls under {state.min_tokens} tokens go to ComfyUI's Linear")
+    device = getattr(patched, "load_device", None)
+    try:
+        device = torch.device(device) if device is not None else default_device()
+        return f"{text}\nLinear on {device}: {settings.linear_decision_for(device).reason}"
+    except Exception as e:
+        log.warning("Triton Accel: could not probe device %r for %s: %s: %s", device, state.label,
+                    type(e).__name__, e)
+        return f"{text}\nLinear: could not probe device {str(device)!r}; each call is decided when it arrives"
+
+
+def _linear_inputs() -> dict:
+    return {
+        "skip": ("STRING", {
+            "default": SKIP_AUTO,
+            "tooltip": "Layers left to ComfyUI's Linear, by name (comma-separated fnmatch patterns such as "
+                       "'double_blocks.0.*', or 're:<regex>'). 'auto': embedders, final layers and modulation "
+                       "layers of every family; 'auto, single_blocks.3?.*' adds to them; empty: none.",
+        }),
+        "min_tokens": ("INT", {
+            "default": MIN_TOKENS, "min": 1, "max": 1 << 20,
+            "tooltip": "Calls with fewer rows (tokens x batch) go to ComfyUI's Linear: quantising cannot pay.",
+        }),
+    }
+
+
+# What users type into the node search to find the Linear nodes (the frontend matches these too).
+LINEAR_SEARCH_ALIASES = ["linear", "matmul", "gemm", "quantize", "w8a8", "fp8", "int8", "speed", "fast", "triton",
+                         "accelerate", "optimize"]
+
+
+class TritonAccelPatchLinear:
+    CATEGORY = "Triton Accel"
+    DESCRIPTION = ("Runs the diffusion model's Linear layers through Triton Accel's quantised matmul (FP8 W8A8 on "
+                   "sm_89+, INT8 W8A8 on sm_75-sm_86, FP8 weight-only for FP8 checkpoints on sm_80/86). The first "
+                   "call checks each layer against ComfyUI's Linear; calls it cannot serve go to ComfyUI's Linear.")
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The same model with Triton Accel Linear layers (the input model is left untouched).",)
+    FUNCTION = "patch"
+    SEARCH_ALIASES = LINEAR_SEARCH_ALIASES
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {"model": ("MODEL", {"tooltip": "The diffusion model (from a loader or a LoRA node)."}),
+                         **_linear_inputs()},
+            "optional": {"settings": (SETTINGS_TYPE, {
+                "tooltip": "From Triton Accel Settings (its 'linear' mode). Not connected: auto."})},
+        }
+
+    def patch(self, model, skip: str = SKIP_AUTO, min_tokens: int = MIN_TOKENS, settings: AccelSettings | None = None):
+        settings = settings or AccelSettings("auto")
+        patched = patch_linear_model(model, settings, skip, min_tokens)
+        return {"ui": {"text": [patched_linear_text(patched, settings)]}, "result": (patched,)}
+
+
+class TritonAccelPatch:
+    CATEGORY = "Triton Accel"
+    DESCRIPTION = ("Triton Accel Patch Attention and Patch Linear in one node: our attention and our quantised "
+                   "Linear layers, each decided per GPU by the Settings node (or auto).")
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = (("The same model with Triton Accel attention and Linear layers (the input model is left "
+                        "untouched)."),)
+    FUNCTION = "patch"
+    SEARCH_ALIASES = ATTENTION_SEARCH_ALIASES + [a for a in LINEAR_SEARCH_ALIASES if a not in ATTENTION_SEARCH_ALIASES]
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return TritonAccelPatchLinear.INPUT_TYPES()
+
+    def patch(self, model, skip: str = SKIP_AUTO, min_tokens: int = MIN_TOKENS, settings: AccelSettings | None = None):
+        from .patch_attention import OVERRIDE_KEY
+        from .patch_attention import patch_model as patch_attention_model
+
+        settings = settings or AccelSettings("auto")
+        with_attention = patch_attention_model(model, settings)
+        label = with_attention.model_options["transformer_options"][OVERRIDE_KEY].label
+        patched = patch_linear_model(with_attention, settings, skip, min_tokens, label=label)
+        text = f"{patched_model_text(patched, label, settings)}\n{patched_linear_text(patched, settings)}"
+        return {"ui": {"text": [text]}, "result": (patched,)}

@@ -1,0 +1,230 @@
+"""What the pack is doing, as one JSON document: GET /triton_accel/status and the side panel.
+
+Everything here is read-only and cheap: no kernel is compiled or launched (a device whose
+self-check has not run yet is described from its properties and says so), files are read
+from fixed places with a size limit, and nothing comes from the request.
+
+Sections: `devices` (per GPU, auto's path with its reason and code, and every mode a node
+asked for), `models` (per patched model, calls served / handed back per kind, with reasons),
+`measurements` (auto's timings per shape class), `install` (install.py's last report, every
+remaining fix as one line), `benchmark` (the Benchmark node's last result, when it exists).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__ as PACK_VERSION
+from .. import kernels
+from ..kernels import gpu_rules
+from . import call_stats
+from .device_probe import cached_facts, probe, summary
+from .settings import decisions_made, user_facing
+
+log = logging.getLogger("triton_accel")
+
+STATUS_VERSION = 1
+PACK_DIR = Path(__file__).resolve().parents[1]
+INSTALL_REPORT_NAME = "install_report.json"  # written by install.py next to itself
+MAX_FILE_BYTES = 2 * 1024 * 1024  # a report or cache bigger than this is not ours to parse
+MAX_MEASUREMENTS = 200
+
+
+def read_json_file(path: Path) -> tuple[object | None, str]:
+    """(document, "") or (None, why): a missing, huge or broken file is a status, not an error."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return None, "not written yet"
+    if size > MAX_FILE_BYTES:
+        return None, f"{path.name} is {size} bytes, over the {MAX_FILE_BYTES} read limit"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")), ""
+    except (OSError, ValueError) as e:
+        return None, f"{path.name} could not be read: {type(e).__name__}"
+
+
+def visible_devices() -> list[torch.device]:
+    devices = []
+    try:
+        if torch.cuda.is_available():
+            devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    except Exception as e:
+        log.debug("Triton Accel: could not list the GPUs: %s", e)
+    return devices or [torch.device("cpu")]
+
+
+def _decision_dict(decision: gpu_rules.Decision, mode: str) -> dict:
+    return {"mode": mode, "path": decision.path, "label": gpu_rules.PATH_LABEL.get(decision.path, decision.path),
+            "reason": decision.reason, "code": decision.code, "candidates": list(decision.candidates),
+            "measured": decision.measure, "overridden": decision.overridden}
+
+
+def device_status(device: torch.device) -> dict:
+    facts = cached_facts(device)
+    selfcheck = "passed" if facts is not None and not facts.triton_error else None
+    if facts is None:
+        facts = probe(device, selfcheck_kernel=False)
+        selfcheck = "not run yet (runs at the first Triton Accel node on this device)"
+    elif facts.triton_error:
+        selfcheck = f"failed: {facts.triton_error}"
+    auto = user_facing(gpu_rules.select_path(facts, "auto"), "auto")
+    entry = {"device": facts.device, "name": facts.name or facts.device, "summary": summary(facts),
+             "selfcheck": selfcheck, "auto": _decision_dict(auto, "auto"),
+             "in_use": [_decision_dict(d, mode) for (dev, mode), d in sorted(decisions_made().items())
+                        if dev == facts.device]}
+    select_linear = getattr(gpu_rules, "select_linear_method", None)
+    if select_linear is not None:
+        try:
+            entry["linear_auto"] = _decision_dict(select_linear(facts, "auto"), "auto")
+        except Exception as e:  # the Linear rules are young; the panel must still render
+            entry["linear_auto"] = {"mode": "auto", "path": gpu_rules.PATH_PYTORCH, "reason": f"unknown: {e}"}
+    return entry
+
+
+def _counts_for_people(counts: dict) -> dict:
+    reasons = sorted(counts["reasons"].items(), key=lambda kv: -kv[1])
+    return {"served": counts["served"], "handed_back": counts["handed_back"], "paths": counts["paths"],
+            "reasons": [{"reason": r, "calls": n} for r, n in reasons]}
+
+
+def models_status(snapshot: dict | None = None) -> list[dict]:
+    snapshot = snapshot or call_stats.snapshot()
+    return [{"label": label, "model_class": m["model_class"],
+             "kinds": {kind: _counts_for_people(c) for kind, c in m["kinds"].items()}}
+            for label, m in snapshot["models"].items()]
+
+
+def _speed_cache_entries() -> list[dict]:
+    """auto's measurements read from its cache file (when speed_summary() is not there)."""
+    from .speed_choice import default_cache_file
+
+    document, _ = read_json_file(default_cache_file())
+    entries = document.get("entries") if isinstance(document, dict) else None
+    if not isinstance(entries, dict):
+        return []
+    out = []
+    for key, entry in list(entries.items())[:MAX_MEASUREMENTS]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("timings"), dict)):
+            continue
+        parts = str(key).split("|")
+        timings = {name: t.get("ms") for name, t in entry["timings"].items() if isinstance(t, dict)}
+        choice = entry.get("choice")
+        ours, theirs = timings.get(choice), timings.get("original")
+        out.append({"gpu": parts[0], "arch": parts[1] if len(parts) > 1 else "", "shape_class": parts[-1],
+                    "choice": choice, "timings_ms": timings,
+                    "speedup_vs_original": round(theirs / ours, 3) if ours and theirs else None})
+    return out
+
+
+def measurements() -> dict:
+    try:
+        speed_choice = importlib.import_module(".speed_choice", __package__)
+        summary_fn = getattr(speed_choice, "speed_summary", None)
+        rows = summary_fn() if summary_fn is not None else _speed_cache_entries()
+    except Exception as e:
+        log.warning("Triton Accel: auto's measurements could not be read: %s: %s", type(e).__name__, e)
+        return {"rows": [], "error": f"{type(e).__name__}: {e}"}
+    return {"rows": list(rows)[:MAX_MEASUREMENTS], "original_label": "ComfyUI's attention"}
+
+
+def install_health(report_path: Path | None = None) -> dict:
+    path = report_path or PACK_DIR / INSTALL_REPORT_NAME
+    document, why = read_json_file(path)
+    if not isinstance(document, dict):
+        return {"found": False, "why": why or "not an install.py report",
+                "hint": "run install.py from the pack's folder (python install.py) to check this machine"}
+    plan = document.get("plan") if isinstance(document.get("plan"), dict) else {}
+    verdict = document.get("verdict") if isinstance(document.get("verdict"), dict) else {}
+    fixes = []
+    for finding in plan.get("findings") or []:
+        if not isinstance(finding, dict) or finding.get("severity") not in ("warning", "error"):
+            continue
+        line = f"[{str(finding.get('severity')).upper()}] {finding.get('message', '')}"
+        fixes.append(line + (f" Fix: {finding['fix']}" if finding.get("fix") else ""))
+    try:
+        written = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+    except OSError:
+        written = None
+    return {"found": True, "report_version": document.get("version"), "written": written,
+            "verdict": verdict.get("message"), "path": verdict.get("path"),
+            "triton_works": verdict.get("triton_works"), "fixes": fixes}
+
+
+def benchmark_status() -> dict:
+    """The Benchmark node's last result, if that node exists and has written one."""
+    try:
+        benchmark = importlib.import_module(".benchmark", __package__)
+    except ImportError:
+        return {"found": False, "why": "no benchmark node in this version"}
+    last_result_path = getattr(benchmark, "last_result_path", None)
+    if last_result_path is None:
+        return {"found": False, "why": "no benchmark node in this version"}
+    try:
+        path = Path(last_result_path())
+    except Exception as e:
+        return {"found": False, "why": f"{type(e).__name__}: {e}"}
+    document, why = read_json_file(path)
+    if document is None:
+        return {"found": False, "why": why if why != "not written yet" else "run the Triton Accel Benchmark node"}
+    chart_path = getattr(benchmark, "last_chart_path", None)
+    chart = Path(chart_path()) if chart_path is not None else path.with_suffix(".png")
+    return {"found": True, "result": document,
+            "chart_url": "/triton_accel/benchmark.png" if chart.exists() else None}
+
+
+def status_payload() -> dict:
+    snapshot = call_stats.snapshot()
+    return {
+        "version": STATUS_VERSION, "pack_version": PACK_VERSION,
+        "triton_version": kernels.triton_version(), "torch_version": torch.__version__,
+        "handed_back_label": call_stats.HANDED_BACK_LABEL,
+        "devices": [device_status(d) for d in visible_devices()],
+        "models": models_status(snapshot),
+        "totals": {kind: _counts_for_people(c) for kind, c in snapshot["kinds"].items()},
+        "measurements": measurements(),
+        "install": install_health(),
+        "benchmark": benchmark_status(),
+    }
+
+
+def startup_line() -> str:
+    """One line for the log when the pack loads: version, Triton, auto's path per GPU."""
+    parts = []
+    for device in visible_devices():
+        facts = probe(device, selfcheck_kernel=False)
+        decision = gpu_rules.select_path(facts, "auto")
+        where = facts.device if facts.name in ("", facts.device) else f"{facts.device} {facts.name}"
+        if facts.vendor == "nvidia" and facts.capability:
+            where += f" ({gpu_rules.sm(facts.capability)})"
+        parts.append(f"{where}: {gpu_rules.expected_paths(decision)}" + (f" ({decision.code})" if decision.code else ""))
+    triton = kernels.triton_version()
+    return (f"Triton Accel {PACK_VERSION} loaded (Triton {triton or 'not installed'}); attention in auto: "
+            + "; ".join(parts))
+
+
+def log_startup() -> None:
+    try:
+        log.info("%s", startup_line())
+    except Exception as e:  # the load line is a courtesy: never stop the pack over it
+        log.warning("Triton Accel: loaded, but the device summary failed: %s: %s", type(e).__name__, e)
+
+
+__all__ = [
+    "INSTALL_REPORT_NAME",
+    "STATUS_VERSION",
+    "benchmark_status",
+    "device_status",
+    "install_health",
+    "log_startup",
+    "measurements",
+    "models_status",
+    "read_json_file",
+    "startup_line",
+    "status_payload",
+]

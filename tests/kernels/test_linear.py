@@ -1,0 +1,264 @@
+"""kernels.linear (the public Linear API) for every method on the Triton interpreter (CPU).
+
+Shapes are Flux/Wan-like but small ((M, K, N) = (37, 256, 384)), with odd M, 3-D x, one
+token, no tokens. Activations carry outlier channels (a few channels 30x the rest in every
+token, as diffusion models' do). Tolerances (rel. L2), each against the float32 computation
+a user compares with:
+- fp8_w8a8 <= 0.035 vs the unquantised fp32 Linear: e4m3's 3 mantissa bits on both operands
+  give 0.022-0.031 on Gaussian data (tests/kernels/test_linear_fp8.py explains it);
+- int8_w8a8 <= 0.03 vs the unquantised fp32 Linear, with outlier channels (the issue's bar;
+  the Hadamard rotation gives ~0.01; without it 0.03-0.08, see test_int8_rotation_*);
+- fp8_weight_only <= 0.01 vs linear_ref (x times the dequantised e4m3 weight in fp32): only
+  the output's rounding is left (bf16 2^-9 relative); the weight's own e4m3 rounding is the
+  method's definition, checked separately against the unquantised Linear (<= 0.035).
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+kernels = importlib.import_module("triton_accel.kernels")
+L = importlib.import_module("triton_accel.kernels.linear")
+li = importlib.import_module("triton_accel.kernels.linear_int8")
+registry_mod = importlib.import_module("triton_accel.kernels.registry")
+lref = importlib.import_module("triton_accel.kernels.linear_ref")
+
+METHODS = ("fp8_w8a8", "int8_w8a8", "fp8_weight_only")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TOL_VS_FP32 = {"fp8_w8a8": 0.035, "int8_w8a8": 0.03, "fp8_weight_only": 0.035}
+TOL_WEIGHT_ONLY_VS_REF = 0.01
+# (leading dims of x, K, N): Flux-like, odd M over 3-D x, one token, no tokens.
+SHAPES = {"flux_like": ((37,), 256, 384), "odd_m_3d": ((3, 13), 128, 96), "one_token": ((1,), 64, 32),
+          "no_tokens": ((0,), 64, 32)}
+
+
+def rel_l2(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def activations(lead, k, dtype, gen, outliers=3, factor=30.0):
+    x = torch.randn(*lead, k, generator=gen)
+    if outliers:
+        x[..., torch.randperm(k, generator=gen)[:outliers]] *= factor
+    return x.to(dtype)
+
+
+def weights(n, k, gen):
+    return torch.randn(n, k, generator=gen) * k ** -0.5
+
+
+def fp32_linear(x, w, b=None):
+    y = x.float() @ w.float().T
+    return y + b.float() if b is not None else y
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("method", METHODS)
+def test_accuracy_with_outlier_channels(method, dtype):
+    lead, k, n = SHAPES["flux_like"]
+    gen = torch.Generator().manual_seed(12)
+    x, w, b = activations(lead, k, dtype, gen), weights(n, k, gen), torch.randn(n, generator=gen).to(dtype)
+    prepared = kernels.prepare_weight(w.to(dtype), method)
+    out = kernels.linear(x, prepared, b)
+    assert out.dtype == dtype and out.shape == (*lead, n)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, fp32_linear(x, w.to(dtype), b)) <= TOL_VS_FP32[method]
+    if method == "fp8_weight_only":
+        assert rel_l2(out, L.linear_ref(x, prepared, b)) <= TOL_WEIGHT_ONLY_VS_REF
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("shape", [SHAPES[s] for s in ("odd_m_3d", "one_token", "no_tokens")],
+                         ids=["odd_m_3d", "one_token", "no_tokens"])
+@pytest.mark.parametrize("method", METHODS)
+def test_shapes_and_bias(method, shape, with_bias):
+    lead, k, n = shape
+    gen = torch.Generator().manual_seed(k + n)
+    x, w = activations(lead, k, torch.bfloat16, gen, outliers=2), weights(n, k, gen)
+    # A bias far larger than x @ W.T: dropping or double-adding it cannot pass.
+    b = (torch.randn(n, generator=gen) * 10).to(torch.bfloat16) if with_bias else None
+    out = kernels.linear(x, kernels.prepare_weight(w, method), b)
+    assert out.shape == (*lead, n) and out.dtype == torch.bfloat16
+    if x.numel():
+        assert rel_l2(out, fp32_linear(x, w, b)) <= TOL_VS_FP32[method]
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("method", METHODS)
+def test_out_dtype(method, out_dtype):
+    lead, k, n = SHAPES["odd_m_3d"]
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = activations(lead, k, torch.bfloat16, gen), weights(n, k, gen), torch.randn(n, generator=gen)
+    out = kernels.linear(x, kernels.prepare_weight(w, method), b, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and out.shape == (*lead, n)
+    assert rel_l2(out, fp32_linear(x, w, b)) <= TOL_VS_FP32[method]
+
+
+def test_zero_token_gives_the_bias():
+    # A row of zeros: the amax floor keeps its scale finite, and the output is exactly the bias.
+    gen = torch.Generator().manual_seed(3)
+    x, w = activations((5,), 64, torch.float32, gen), weights(32, 64, gen)
+    x[2] = 0
+    b = torch.randn(32, generator=gen)
+    for method in METHODS:
+        out = kernels.linear(x, kernels.prepare_weight(w, method), b)
+        assert torch.equal(out[2], b), method
+
+
+# ComfyUI's FP8 checkpoints: float8_e4m3fn weights with a per-tensor scale_weight.
+@pytest.mark.parametrize("scale_kind", ["per_tensor", "per_channel"])
+@pytest.mark.parametrize("method", METHODS)
+def test_comfyui_fp8_weights(method, scale_kind):
+    lead, k, n = SHAPES["odd_m_3d"]
+    gen = torch.Generator().manual_seed(9)
+    w = weights(n, k, gen)
+    if scale_kind == "per_tensor":
+        scale = w.abs().max() / 448.0
+        w8 = (w / scale).to(torch.float8_e4m3fn)
+        w_deq = w8.float() * scale
+    else:
+        scale = w.abs().amax(dim=1) / 448.0
+        w8 = (w / scale[:, None]).to(torch.float8_e4m3fn)
+        w_deq = w8.float() * scale[:, None]
+    prepared = kernels.prepare_weight(w8, method, weight_scale=scale)
+    assert prepared.source_dtype == torch.float8_e4m3fn
+    if method != "int8_w8a8":
+        # Taken as-is: the same e4m3 bytes, the checkpoint's scale broadcast per channel.
+        assert torch.equal(prepared.weight.view(torch.uint8), w8.view(torch.uint8))
+        assert torch.equal(prepared.scale, torch.as_tensor(scale, dtype=torch.float32).expand(n))
+    x, b = activations(lead, k, torch.bfloat16, gen), torch.randn(n, generator=gen)
+    out = kernels.linear(x, prepared, b)
+    assert rel_l2(out, fp32_linear(x, w_deq, b)) <= (TOL_WEIGHT_ONLY_VS_REF if method == "fp8_weight_only"
+                                                     else TOL_VS_FP32[method])
+
+
+# The outlier treatment: plain per-token / per-channel INT8 fails the issue's 0.03 bar on
+# activations with outlier channels at a Flux-like K; the block-Hadamard rotation passes it.
+# Measured here: plain 0.071, rotated 0.014 (K 3072, 3 channels x30); plain 0.031, rotated
+# 0.009 (K 256).
+def test_int8_rotation_meets_the_bar_where_plain_int8_fails():
+    gen = torch.Generator().manual_seed(0)
+    m, k, n = 16, 3072, 64
+    x, w = activations((m,), k, torch.bfloat16, gen), weights(n, k, gen)
+    ref = fp32_linear(x, w)
+    errors = {}
+    for rotate in (False, True):
+        q, s, block = li.quantize_weight(w, rotate=rotate)
+        errors[rotate] = rel_l2(li.run_linear(x, q, s, None, block, torch.float32), ref)
+    assert errors[False] > 0.05, errors  # plain INT8: the outliers set every row's step
+    assert errors[True] <= TOL_VS_FP32["int8_w8a8"], errors
+    assert kernels.prepare_weight(w, "int8_w8a8").rotation == 128  # the public API rotates
+
+
+# The INT8 kernels against linear_int8_reference (the same rotation, rounding and scales in
+# torch): the quantisation error is shared and the int products are exact, so only fp32
+# rounding of the scales and the rotation's sums is left (measured: 0.0, bit-identical int8
+# codes); rel. L2 <= 1e-4 with fp32 output fails a 2 % scale error (0.02) or any tile bug.
+# The ids: Flux-like K with a 128 block, K 96 (32 block, partial tiles), no rotation.
+@pytest.mark.parametrize("case", [((37, 256, 384), 128), ((21, 96, 48), 32), ((37, 256, 384), 0)],
+                         ids=["block128", "block32_partial", "plain"])
+def test_int8_matches_its_emulation(case):
+    (m, k, n), rotation = case
+    gen = torch.Generator().manual_seed(m + k)
+    x, w, b = activations((m,), k, torch.bfloat16, gen), weights(n, k, gen), torch.randn(n, generator=gen)
+    q, s, block = li.quantize_weight(w, rotate=bool(rotation))
+    assert block == rotation
+    out = li.run_linear(x, q, s, b, block, torch.float32)
+    assert rel_l2(out, lref.linear_int8_reference(x, q, s, block, b, torch.float32)) <= 1e-4
+
+
+def test_int8_hadamard_blocks_are_orthogonal():
+    for block in li.HADAMARD_BLOCKS:
+        h = li.hadamard_blocks(torch.eye(block), block)
+        assert torch.equal(h @ h.T, block * torch.eye(block))
+    assert li.hadamard_block_for(5120) == 128 and li.hadamard_block_for(96) == 32 and li.hadamard_block_for(48) == 16
+
+
+def test_fast_path_runs_and_is_counted(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    x, w = activations((9,), 64, torch.bfloat16, gen), weights(32, 64, gen)
+    for method in METHODS:
+        prepared = kernels.prepare_weight(w, method)
+        kernels.stats.reset()
+        kernels.linear(x, prepared)
+        assert kernels.stats.counts() == {f"triton_linear_{method}": 1}
+    # Where a method cannot run it raises with the reason: never a silent fallback.
+    monkeypatch.setattr(L._device, "interpreter_enabled", lambda: False)
+    kernels.stats.reset()
+    with pytest.raises(registry_mod.BackendUnavailableError, match="TRITON_INTERPRET"):
+        kernels.linear(x, kernels.prepare_weight(w, "fp8_w8a8"))
+    assert kernels.stats.counts() == {}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_torch_compile_traces_the_op(method):
+    gen = torch.Generator().manual_seed(2)
+    x, w, b = activations((2, 7), 64, torch.bfloat16, gen), weights(48, 64, gen), torch.randn(48, generator=gen)
+    prepared = kernels.prepare_weight(w, method)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: kernels.linear(t, prepared, b, out_dtype=torch.float32),
+                             backend="aot_eager", fullgraph=True)
+    kernels.stats.reset()
+    out = compiled(x)
+    assert kernels.stats.counts() == {f"triton_linear_{method}": 1}
+    assert torch.equal(out, kernels.linear(x, prepared, b, out_dtype=torch.float32))
+
+
+def test_prepared_weight_bytes_and_move():
+    w = weights(64, 128, torch.Generator().manual_seed(4))
+    for method in METHODS:
+        p = kernels.prepare_weight(w, method)
+        assert (p.method, p.out_features, p.in_features, p.source_dtype) == (method, 64, 128, torch.float32)
+        assert p.nbytes() == 64 * 128 + 64 * 4  # 8-bit weight + fp32 channel scales
+        moved = p.to("cpu")
+        assert moved.device == torch.device("cpu")
+        assert torch.equal(moved.weight.view(torch.uint8), p.weight.view(torch.uint8))
+
+
+def _bad_calls():
+    gen = torch.Generator().manual_seed(6)
+    w = weights(32, 64, gen)
+    good = kernels.prepare_weight(w, "fp8_w8a8")
+    x = torch.randn(4, 64)
+    nan_w = w.clone()
+    nan_w[0, 0] = float("nan")
+    w8 = w.to(torch.float8_e4m3fn)
+    return {
+        "unknown_method": (lambda: kernels.prepare_weight(w, "fp4"), "unknown Linear method"),
+        "weight_1d": (lambda: kernels.prepare_weight(w[0], "fp8_w8a8"), "2-D"),
+        "weight_int": (lambda: kernels.prepare_weight(w.to(torch.int32), "int8_w8a8"), "weight dtype"),
+        "k_not_16": (lambda: kernels.prepare_weight(torch.randn(32, 40), "int8_w8a8"), "in_features"),
+        "n_not_16": (lambda: kernels.prepare_weight(torch.randn(20, 64), "fp8_weight_only"), "out_features"),
+        "nan_weight": (lambda: kernels.prepare_weight(nan_w, "fp8_w8a8"), "NaN"),
+        "scale_for_float": (lambda: kernels.prepare_weight(w, "fp8_w8a8", torch.tensor(1.0)), "weight_scale"),
+        "scale_wrong_size": (lambda: kernels.prepare_weight(w8, "fp8_w8a8", torch.ones(3)), "32 values"),
+        "scale_negative": (lambda: kernels.prepare_weight(w8, "fp8_weight_only", torch.tensor(-1.0)), "positive"),
+        "x_wrong_k": (lambda: kernels.linear(torch.randn(4, 32), good), "input features"),
+        "x_int": (lambda: kernels.linear(x.to(torch.int8), good), "x dtype"),
+        "x_scalar": (lambda: kernels.linear(torch.tensor(1.0), good), "tensor"),
+        "not_prepared": (lambda: kernels.linear(x, w), "prepare_weight"),
+        "bias_shape": (lambda: kernels.linear(x, good, torch.zeros(31)), "bias must have shape"),
+        "out_dtype": (lambda: kernels.linear(x, good, out_dtype=torch.int32), "out_dtype"),
+    }
+
+
+BAD = _bad_calls()
+
+
+@pytest.mark.parametrize("case", list(BAD.values()), ids=list(BAD))
+def test_bad_inputs_raise_with_reason(case):
+    call, words = case
+    with pytest.raises(kernels.LinearInputError) as e:
+        call()
+    assert words in e.value.reason
+    assert isinstance(e.value, ValueError)
+
+
+def test_public_names():
+    assert kernels.LINEAR_METHODS == METHODS
+    assert kernels.linear_refusal("fp8_w8a8", "cpu") is None  # the interpreter is on in tests
+    for method in METHODS:
+        assert hasattr(torch.ops.triton_accel, f"linear_{method}")

@@ -1,0 +1,634 @@
+"""TritonAccelPatchLinear without ComfyUI: fake Linear modules and a fake ModelPatcher.
+
+`ComfyLinear` restates comfy.ops.disable_weight_init.Linear (weight_function / bias_function
+applied per call, comfy_cast_weights casting to the input's device and dtype) and
+`FakePatcher` restates what the patch uses of ComfyUI's ModelPatcher: clone() shares the
+model and the object-patch backup, patch_model() installs object patches and runs the
+ON_LOAD callbacks, detach() restores them and runs ON_DETACH. Kernels run on the CPU through
+TRITON_INTERPRET=1 (tests/conftest.py).
+
+Tolerances (rel. L2 against float32 F.linear with the unquantised weight):
+- one fp8_w8a8 layer: < 0.06 (e4m3 weights per channel and activations per token: ~0.03-0.04
+  on Gaussian data), int8_w8a8 < 0.02, fp8_weight_only < 0.06 (e4m3 weight rounding only);
+- the whole tiny model, forced fp8 vs unpatched: < 0.08 (errors of 4 quantised layers add).
+Activation dtypes float32 / float16 / bfloat16: the rounding of the half types (2^-8 for
+bf16) is far below the quantisation error, so the bounds are the same.
+"""
+from __future__ import annotations
+
+import gc
+import uuid
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_accel import kernels
+from triton_accel.kernels.linear import linear_ref
+from triton_accel.nodes import call_stats
+from triton_accel.nodes import patch_linear as pl
+from triton_accel.nodes.settings import AccelSettings, TritonAccelSettings
+
+LAYER_TOL = {"fp8": 0.06, "int8": 0.02, "fp8_weight_only": 0.06}
+MODEL_TOL = 0.08
+FORCED = {mode: AccelSettings("off", linear_mode=mode) for mode in ("fp8", "int8", "fp8_weight_only")}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# The real weight preparation with the float32 reference matmul: for the tests of the patch's
+# bookkeeping (what is prepared when, what is freed), where the interpreter's minutes per
+# model forward would buy nothing. The tests of served calls run the kernels.
+REF_BACKEND = pl.LinearBackend(kernels.prepare_weight, lambda x, p, b, dt: linear_ref(x, p, b).to(dt),
+                               kernels.linear_refusal, kernels.LinearInputError)
+
+
+# ---- fakes ----------------------------------------------------------------------------------
+
+class ComfyLinear(torch.nn.Linear):
+    """comfy.ops.disable_weight_init.Linear, as far as the patch can tell."""
+
+    comfy_cast_weights = False
+    weight_function = []
+    bias_function = []
+
+    def forward(self, x):
+        if self.comfy_cast_weights or self.weight_function or self.bias_function:
+            weight = self.weight.to(device=x.device, dtype=x.dtype)
+            bias = None if self.bias is None else self.bias.to(device=x.device, dtype=x.dtype)
+            for f in self.weight_function:
+                weight = f(weight)
+            for f in self.bias_function:
+                bias = f(bias)
+            return F.linear(x, weight, bias)
+        return super().forward(x)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.img_mod = torch.nn.Module()
+        self.img_mod.lin = ComfyLinear(dim, 2 * dim)
+        self.qkv = ComfyLinear(dim, 3 * dim)
+        self.proj = ComfyLinear(dim, dim)
+        self.mlp = torch.nn.Sequential(ComfyLinear(dim, 4 * dim), torch.nn.GELU(), ComfyLinear(4 * dim, dim))
+
+    def forward(self, x, vec):
+        shift, scale = self.img_mod.lin(vec).chunk(2, dim=-1)
+        h = x * (1 + scale[:, None]) + shift[:, None]
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v))
+        return x + self.mlp(x)
+
+
+class TinyDiT(torch.nn.Module):
+    """Flux-like names: img_in, time_in, blocks.N.{img_mod.lin, qkv, proj, mlp.0, mlp.2}, final_layer."""
+
+    def __init__(self, dim=64, channels=32):
+        super().__init__()
+        self.img_in = ComfyLinear(channels, dim)
+        self.time_in = torch.nn.Module()
+        self.time_in.in_layer = ComfyLinear(16, dim)
+        self.blocks = torch.nn.ModuleList([Block(dim)])
+        self.final_layer = torch.nn.Module()
+        self.final_layer.linear = ComfyLinear(dim, channels)
+
+    def forward(self, x, t):
+        vec = self.time_in.in_layer(t)
+        x = self.img_in(x)
+        for block in self.blocks:
+            x = block(x, vec)
+        return self.final_layer.linear(x)
+
+
+class BaseModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.diffusion_model = TinyDiT()
+
+
+def _resolve(obj, name):
+    *path, last = name.split(".")
+    for part in path:
+        obj = getattr(obj, part)
+    return obj, last
+
+
+class FakePatcher:
+    """What patch_linear uses of comfy.model_patcher.ModelPatcher, with its semantics."""
+
+    def __init__(self, model, backup=None):
+        self.model = model
+        self.load_device = torch.device("cpu")
+        self.object_patches = {}
+        self.object_patches_backup = {} if backup is None else backup
+        self.model_options = {"transformer_options": {}}
+        self.callbacks = {}
+        self.patches_uuid = uuid.uuid4()
+
+    def clone(self):
+        n = FakePatcher(self.model, self.object_patches_backup)
+        n.object_patches = self.object_patches.copy()
+        n.model_options = {"transformer_options": dict(self.model_options["transformer_options"])}
+        n.callbacks = {k: {k1: list(c1) for k1, c1 in c.items()} for k, c in self.callbacks.items()}
+        n.patches_uuid = self.patches_uuid
+        return n
+
+    def add_object_patch(self, name, obj):
+        self.object_patches[name] = obj
+
+    def get_model_object(self, name):
+        if name in self.object_patches:
+            return self.object_patches[name]
+        if name in self.object_patches_backup:
+            return self.object_patches_backup[name]
+        obj, last = _resolve(self.model, name)
+        return getattr(obj, last)
+
+    def add_callback_with_key(self, call_type, key, callback):
+        self.callbacks.setdefault(call_type, {}).setdefault(key, []).append(callback)
+
+    def _callbacks(self, call_type):
+        return [cb for cbs in self.callbacks.get(call_type, {}).values() for cb in cbs]
+
+    def patch_model(self):
+        for name, obj in self.object_patches.items():
+            owner, last = _resolve(self.model, name)
+            old = getattr(owner, last)
+            setattr(owner, last, obj)
+            self.object_patches_backup.setdefault(name, old)
+        for cb in self._callbacks("on_load_after"):
+            cb(self, None, 0, False, True)
+        return self.model
+
+    def detach(self, unpatch_all=True):
+        if unpatch_all:
+            for name, old in self.object_patches_backup.items():
+                owner, last = _resolve(self.model, name)
+                setattr(owner, last, old)
+            self.object_patches_backup.clear()
+        for cb in self._callbacks("on_detach_after"):
+            cb(self, unpatch_all)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counters():
+    call_stats.reset()
+    kernels.stats.reset()
+
+
+def _linear_stats() -> dict:
+    return call_stats.snapshot()["kinds"].get("linear", {"served": 0, "handed_back": 0, "reasons": {}, "paths": {}})
+
+
+def _rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _inputs(tokens=64, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(2, tokens, 32, generator=gen).to(dtype), torch.randn(2, 16, generator=gen).to(dtype)
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return BaseModel().to(dtype)
+
+
+# ---- skip patterns --------------------------------------------------------------------------
+
+# (family, layer name, skipped by the default patterns?) from the real models' module names.
+DEFAULT_SKIP_CASES = [
+    ("flux", "img_in", True), ("flux", "txt_in", True), ("flux", "time_in.in_layer", True),
+    ("flux", "vector_in.out_layer", True), ("flux", "guidance_in.in_layer", True),
+    ("flux", "double_blocks.0.img_mod.lin", True), ("flux", "single_blocks.3.modulation.lin", True),
+    ("flux", "final_layer.linear", True), ("flux", "final_layer.adaLN_modulation.1", True),
+    ("flux", "double_blocks.0.img_attn.qkv", False), ("flux", "double_blocks.0.txt_mlp.2", False),
+    ("flux", "single_blocks.37.linear1", False), ("flux", "single_blocks.0.linear2", False),
+    ("wan21", "text_embedding.0", True), ("wan21", "time_embedding.2", True), ("wan21", "time_projection.1", True),
+    ("wan21", "head.head", True), ("wan21", "img_emb.proj.1", True),
+    ("wan21", "blocks.0.self_attn.q", False), ("wan21", "blocks.39.cross_attn.v", False),
+    ("wan21", "blocks.0.ffn.0", False),
+    ("sd15", "time_embed.0", True), ("sd15", "input_blocks.1.0.emb_layers.1", True),
+    ("sd15", "input_blocks.1.1.transformer_blocks.0.attn1.to_q", False),
+    ("sd15", "output_blocks.5.1.transformer_blocks.0.ff.net.0.proj", False),
+    ("sdxl", "label_emb.0.0", True), ("sdxl", "output_blocks.8.1.proj_out", False),
+    ("hunyuan_video", "txt_in.individual_token_refiner.blocks.0.mlp.fc1", True),
+    ("hunyuan_video", "double_blocks.0.img_attn_qkv", False), ("hunyuan_video", "double_blocks.0.img_mod.linear", True),
+    ("qwen_image", "proj_out", True), ("qwen_image", "norm_out.linear", True),
+    ("qwen_image", "transformer_blocks.0.img_mod.1", True),
+    ("qwen_image", "time_text_embed.timestep_embedder.linear_1", True),
+    ("qwen_image", "transformer_blocks.0.attn.to_q", False),
+    ("sd3", "x_block.adaLN_modulation.1", True), ("sd3", "joint_blocks.0.x_block.attn.qkv", False),
+]
+
+
+@pytest.mark.parametrize("family,name,skipped", DEFAULT_SKIP_CASES,
+                         ids=[f"{f}-{n}" for f, n, _ in DEFAULT_SKIP_CASES])
+def test_default_skip_patterns(family, name, skipped):
+    assert (pl.SkipPatterns.parse("auto").match(name) is not None) == skipped
+
+
+@pytest.mark.parametrize("text,name,expect", [
+    ("", "img_in", None),  # empty: nothing skipped, not even the defaults
+    ("auto, double_blocks.1.*", "double_blocks.1.img_attn.qkv", "double_blocks.1.*"),
+    ("auto, double_blocks.1.*", "double_blocks.10.img_attn.qkv", None),
+    ("re:single_blocks\\.(1|2)\\..*", "single_blocks.2.linear1", "re:single_blocks\\.(1|2)\\..*"),
+    ("re:single_blocks\\.(1|2)\\..*", "single_blocks.12.linear1", None),
+    ("  Blocks.0.QKV ", "blocks.0.qkv", "blocks.0.qkv"),  # case-insensitive globs, spaces trimmed
+])
+def test_custom_skip_patterns(text, name, expect):
+    assert pl.SkipPatterns.parse(text).match(name) == expect
+
+
+def test_bad_regex_is_refused_with_the_pattern():
+    with pytest.raises(ValueError, match="re:blocks\\.\\("):
+        pl.SkipPatterns.parse("auto, re:blocks.(")
+
+
+# ---- calls handed back ----------------------------------------------------------------------
+
+def _layer(settings=FORCED["fp8"], skip="", min_tokens=4, name="blocks.0.qkv", module=None, backend=None):
+    label = f"Fake #{uuid.uuid4().hex[:8]}"  # unique: states of earlier tests may still be alive
+    state = pl.LinearPatchState(settings, pl.SkipPatterns.parse(skip), min_tokens, backend, label=label)
+    torch.manual_seed(1)
+    module = module if module is not None else ComfyLinear(32, 48)
+    calls = []
+
+    def previous(*args, **kwargs):
+        calls.append((args, kwargs))
+        return module.__class__.forward(module, *args, **kwargs)
+
+    layer = pl.LinearLayer(state, name, module, previous)
+    state.layers.append(layer)
+    return layer, calls
+
+
+class FakeQuantizedTensor(torch.Tensor):
+    """Stands for comfy's QuantizedTensor: a tensor subclass that nn.Parameter keeps."""
+
+
+def _meta_weight(module):
+    module.weight = torch.nn.Parameter(torch.empty(module.weight.shape, device="meta"), requires_grad=False)
+
+
+HAND_BACK_CASES = {
+    # name: (how to set the layer / call up, reason the stats must show)
+    "skip-pattern": ({"skip": "blocks.*"}, None, "name matches skip pattern 'blocks.*'"),
+    "few-tokens": ({"min_tokens": 64}, None, "fewer than 64 tokens: quantising cannot pay"),
+    "lora-lowvram-weight-function": ({}, "weight_function", pl.REASON_WEIGHT_FUNCTION),
+    "comfy-quantized-layer": ({}, "layout_type", pl.REASON_QUANTIZED),
+    "quantized-tensor-weight": ({}, "tensor_subclass", pl.REASON_QUANTIZED),
+    "quantized-input": ({}, "input_subclass", pl.REASON_INPUT_TYPE),
+    "offloaded-weight": ({}, "meta_weight", pl.REASON_OFFLOADED),
+    "dynamic-vram-weight": ({}, "vbar_weight", pl.REASON_DYNAMIC_VRAM),
+    "float64-input": ({}, "float64", "input dtype torch.float64 is not float16/bfloat16/float32"),
+    "e5m2-weight": ({}, "e5m2", "weight dtype torch.float8_e5m2 is not"),
+    "extra-argument": ({}, "extra_arg", pl.REASON_ARGUMENTS),
+    "mode-off": ({"settings": AccelSettings("off", linear_mode="off")}, None, "off: ComfyUI's own Linear layers"),
+    "auto-on-cpu": ({"settings": AccelSettings("auto")}, None, "PyTorch Linear: no GPU"),
+    "features-not-multiple-of-16": ({"module": ComfyLinear(24, 48)}, "k24", "in_features must be a positive multiple"),
+}
+
+
+@pytest.mark.parametrize("case", list(HAND_BACK_CASES))
+def test_hand_back_goes_to_original_forward_with_reason(case):
+    layer_kwargs, setup, reason = HAND_BACK_CASES[case]
+    layer, calls = _layer(**layer_kwargs)
+    module = layer.module
+    x = torch.randn(2, 8, module.in_features)
+    args = (x,)
+    if setup == "weight_function":
+        module.weight_function = [lambda w: w * 1.5]
+    elif setup == "layout_type":
+        module.layout_type = "TensorCoreFP8Layout"
+    elif setup == "tensor_subclass":
+        module.weight = torch.nn.Parameter(module.weight.detach().as_subclass(FakeQuantizedTensor), requires_grad=False)
+    elif setup == "input_subclass":
+        args = (x.as_subclass(FakeQuantizedTensor),)
+    elif setup in ("meta_weight", "vbar_weight"):
+        _meta_weight(module)
+        if setup == "vbar_weight":
+            module._v = object()  # ComfyUI 0.29's dynamic VRAM buffer
+        layer.previous = lambda *a, **k: calls.append((a, k)) or torch.zeros(2, 8, 48)
+    elif setup == "float64":
+        args = (x.double(),)
+        module.double()
+    elif setup == "e5m2":
+        module.weight = torch.nn.Parameter(module.weight.detach().to(torch.float8_e5m2), requires_grad=False)
+        layer.previous = lambda *a, **k: calls.append((a, k)) or torch.zeros(2, 8, 48)
+    elif setup == "extra_arg":
+        layer.previous = lambda *a, **k: calls.append((a, k)) or torch.zeros(2, 8, 48)
+        args = (x, "extra")
+    out = layer(*args)
+    stats = _linear_stats()
+    assert len(calls) == 1, "the original forward was not called exactly once"
+    assert stats["served"] == 0 and stats["handed_back"] == 1, stats
+    assert any(r.startswith(reason) for r in stats["reasons"]), stats["reasons"]
+    if setup == "weight_function":  # the LoRA applied on the fly reaches the output
+        assert torch.allclose(out, F.linear(x, module.weight * 1.5, module.bias))
+    assert kernels.stats.counts().get("triton_linear_fp8_w8a8", 0) == 0
+
+
+def test_min_tokens_counts_rows_of_every_leading_dim():
+    layer, _ = _layer(min_tokens=16)
+    layer(torch.randn(2, 8, 32))  # 16 rows: served
+    layer(torch.randn(1, 15, 32))  # 15 rows: handed back
+    stats = _linear_stats()
+    assert (stats["served"], stats["handed_back"]) == (1, 1), stats
+
+
+# ---- served calls ---------------------------------------------------------------------------
+
+def _method_available(mode):
+    method = {"fp8": "fp8_w8a8", "int8": "int8_w8a8", "fp8_weight_only": "fp8_weight_only"}[mode]
+    refusal = kernels.linear_refusal(method, "cpu")
+    if refusal:
+        pytest.fail(f"{method} refused on the CPU interpreter: {refusal}")
+    return method
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("mode", ["fp8", "int8", "fp8_weight_only"])
+@pytest.mark.parametrize("shape", [(1, 64, 32), (2, 77, 32), (160, 32)], ids=["1x64", "2x77-text", "160-2d"])
+def test_served_layer_matches_linear(mode, dtype, shape):
+    method = _method_available(mode)
+    layer, calls = _layer(settings=FORCED[mode])
+    module = layer.module.to(dtype)
+    x = torch.randn(*shape).to(dtype)
+    first = layer(x)  # the guard's call: both ways, ours kept when it agrees
+    second = layer(x)
+    ref = F.linear(x.float(), module.weight.float(), module.bias.float())
+    stats = _linear_stats()
+    assert stats["served"] == 2 and stats["paths"] == {method: 2}, stats
+    assert len(calls) == 1, "only the guard's call may run the original forward"
+    assert first.dtype == dtype and first.shape == (*shape[:-1], 48)
+    assert torch.equal(first, second)
+    assert _rel_l2(second, ref) < LAYER_TOL[mode]
+
+
+def test_forced_fp8_model_matches_unpatched_and_input_model_untouched():
+    torch.manual_seed(0)
+    base = FakePatcher(BaseModel())
+    x, t = _inputs()
+    expected = base.model.diffusion_model(x, t)
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="auto", min_tokens=16)
+    assert base.object_patches == {}, "the input model was modified"
+    assert sorted(k for k in patched.object_patches) == sorted(
+        f"diffusion_model.{n}.forward" for n in ("img_in", "time_in.in_layer", "blocks.0.img_mod.lin", "blocks.0.qkv",
+                                                  "blocks.0.proj", "blocks.0.mlp.0", "blocks.0.mlp.2",
+                                                  "final_layer.linear"))
+    patched.patch_model()
+    out = patched.model.diffusion_model(x, t)
+    stats = _linear_stats()
+    assert stats["served"] == 4, stats  # qkv, proj, mlp.0, mlp.2
+    assert stats["handed_back"] == 4, stats  # img_in, time_in, img_mod (by name), final_layer
+    assert kernels.stats.counts().get("triton_linear_fp8_w8a8", 0) >= 4
+    err = _rel_l2(out, expected)
+    assert 0 < err < MODEL_TOL, err
+    patched.detach()
+    restored = base.model.diffusion_model(x, t)
+    assert torch.equal(restored, expected), "unpatching did not restore ComfyUI's Linear"
+
+
+def test_fp8_checkpoint_weights_with_scale_weight_used_as_is():
+    """ComfyUI's scaled FP8 layers (0.3.x scaled_fp8_ops): e4m3 weight and a per-tensor scale_weight."""
+    _method_available("fp8")
+    layer, calls = _layer(settings=FORCED["fp8"])
+    module = layer.module
+    w = module.weight.detach()
+    scale = w.abs().max() / 448.0
+    module.weight = torch.nn.Parameter((w / scale).to(torch.float8_e4m3fn), requires_grad=False)
+    module.scale_weight = torch.nn.Parameter(scale.reshape(()).float(), requires_grad=False)
+    dequantised = module.weight.float() * module.scale_weight
+    layer.previous = lambda x: calls.append(x) or F.linear(x, dequantised.to(x.dtype), module.bias.to(x.dtype))
+    x = torch.randn(2, 64, 32)
+    out = layer(x)
+    entry = layer.entries["cpu"]
+    assert entry.prepared.weight.data_ptr() == module.weight.data_ptr(), "the FP8 weight was re-quantised"
+    assert entry.nbytes() == 48 * 4, "only the per-channel scales are extra memory"
+    assert _linear_stats()["served"] == 1
+    assert _rel_l2(out, F.linear(x, dequantised, module.bias)) < 0.05  # activation rounding only
+
+
+# ---- quality guard --------------------------------------------------------------------------
+
+def _broken_backend(kind):
+    good = pl.default_backend()
+
+    def run(x, prepared, bias, out_dtype):
+        out = good.run(x, prepared, bias, out_dtype)
+        if kind == "scaled":
+            return out * 1.2
+        if kind == "nan":
+            out = out.clone()
+            out.view(-1)[0] = float("nan")
+            return out
+        raise RuntimeError("deliberately broken kernel")
+
+    return pl.LinearBackend(good.prepare, run, good.refusal, good.input_error)
+
+
+@pytest.mark.parametrize("kind,reason", [("scaled", "rel. L2 0.2"), ("nan", "NaN/Inf in our output"),
+                                         ("raises", "kernel error: RuntimeError: deliberately broken kernel")])
+def test_guard_sends_a_broken_layer_back_for_good(kind, reason):
+    layer, calls = _layer(backend=_broken_backend(kind))
+    x = torch.randn(2, 32, 32)
+    expected = F.linear(x, layer.module.weight, layer.module.bias)
+    first = layer(x)
+    second = layer(x)
+    assert torch.equal(first, expected) and torch.equal(second, expected), "a rejected output reached the model"
+    assert len(calls) == 2
+    report = pl.fallback_report()
+    mine = [r for r in report if r["model"] == layer.state.label]
+    assert len(mine) == 1 and mine[0]["layer"] == "blocks.0.qkv" and reason in mine[0]["reason"], report
+    stats = _linear_stats()
+    assert stats["served"] == 0 and stats["handed_back"] == 2, stats
+    assert "cpu" not in layer.entries, "the rejected layer's prepared weight was kept"
+    text = TritonAccelSettings().configure("off", "cpu", "fp8")["ui"]["text"][0]
+    assert "quality guard" in text or "kernel error" in text, text
+    from triton_accel.nodes.routes import stats_payload
+
+    assert mine[0] in stats_payload()["linear_fallbacks"]
+
+
+def test_guard_passes_a_good_layer_and_runs_once_per_weight_version():
+    layer, calls = _layer()
+    x = torch.randn(2, 32, 32)
+    for _ in range(3):
+        layer(x)
+    assert len(calls) == 1
+    with torch.no_grad():
+        layer.module.weight.mul_(2.0)  # a new weight version: prepared again, checked again
+    layer(x)
+    assert len(calls) == 2
+    assert pl.guard_failure(torch.ones(4), torch.ones(4), 0.05) is None
+    assert "rel. L2" in pl.guard_failure(torch.ones(4) * 1.1, torch.ones(4), 0.05)
+
+
+# ---- preparing weights: all together, once per weight version ------------------------------
+
+class CountingBackend:
+    def __init__(self):
+        good = REF_BACKEND
+        self.prepared = []
+        self.backend = pl.LinearBackend(self._prepare, good.run, good.refusal, good.input_error)
+        self._good = good
+
+    def _prepare(self, weight, method, scale=None):
+        self.prepared.append(weight.shape)
+        return self._good.prepare(weight, method, scale)
+
+
+def test_first_call_prepares_every_layer_once_with_one_log_line(caplog):
+    counting = CountingBackend()
+    base = FakePatcher(_model())
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="auto", min_tokens=16, backend=counting.backend)
+    patched.patch_model()
+    x, t = _inputs()
+    with caplog.at_level("INFO", logger="triton_accel"):
+        patched.model.diffusion_model(x, t)
+        patched.model.diffusion_model(x, t)
+    assert len(counting.prepared) == 4, counting.prepared  # the 4 layers not skipped by name
+    lines = [r.getMessage() for r in caplog.records if "prepared 4 layers" in r.getMessage()]
+    assert len(lines) == 1 and "fp8_w8a8" in lines[0] and "MiB" in lines[0], caplog.text
+    patched.detach()
+
+
+@pytest.mark.parametrize("change", ["new-parameter", "in-place-tracked", "in-place-data-with-reload"])
+def test_weight_change_invalidates_prepared_weight(change):
+    """LoRA merged by ComfyUI: a new Parameter (set_attr_param), an in-place op that bumps the
+    version counter, or `param.data.copy_` (copy_to_param: no version bump) followed by a load
+    with new weight patches (a new patches_uuid, seen through ON_LOAD)."""
+    counting = CountingBackend()
+    base = FakePatcher(_model())
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=counting.backend)
+    patched.patch_model()
+    layer = patched.object_patches["diffusion_model.blocks.0.proj.forward"]
+    module = layer.module
+    x = torch.randn(2, 64, 64)
+    before = layer(x)
+    n_prepared = len(counting.prepared)
+    delta = torch.randn_like(module.weight) * 0.5
+    if change == "new-parameter":
+        module.weight = torch.nn.Parameter(module.weight.detach() + delta, requires_grad=False)
+    elif change == "in-place-tracked":
+        with torch.no_grad():
+            module.weight.add_(delta)
+    else:
+        module.weight.data.copy_(module.weight.detach() + delta)
+        lora = patched.clone()
+        lora.patches_uuid = uuid.uuid4()  # what add_patches does
+        lora.patch_model()
+    after = layer(x)
+    assert len(counting.prepared) > n_prepared, "the changed weight was not prepared again"
+    ref = F.linear(x, module.weight, module.bias)
+    assert _rel_l2(after, ref) < LAYER_TOL["fp8"]
+    assert _rel_l2(before, ref) > 0.2, "the test's weight change is too small to tell"
+    patched.detach()
+
+
+def test_unchanged_weights_are_not_prepared_again():
+    counting = CountingBackend()
+    base = FakePatcher(_model())
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=counting.backend)
+    patched.patch_model()
+    x, t = _inputs()
+    patched.model.diffusion_model(x, t)
+    n = len(counting.prepared)
+    for _ in range(3):
+        patched.model.diffusion_model(x, t)
+    patched.patch_model()  # loaded again with the same weight patches
+    patched.model.diffusion_model(x, t)
+    assert len(counting.prepared) == n == 8
+    patched.detach()
+
+
+# ---- lifetime: unpatch, garbage collection, 20 cycles ---------------------------------------
+
+def _live_tensor_bytes() -> tuple[int, int]:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on some torch objects warns about deprecations
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
+
+
+def test_unpatch_frees_prepared_weights_and_restores_forward():
+    base = FakePatcher(_model())
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
+    state = patched.triton_accel_linear
+    patched.patch_model()
+    patched.model.diffusion_model(*_inputs())
+    assert state.prepared_bytes() > 0
+    patched.detach(unpatch_all=False)  # a clone deleted while loaded: keeps them
+    assert state.prepared_bytes() > 0
+    patched.detach(unpatch_all=True)
+    assert state.prepared_bytes() == 0
+    for module in base.model.diffusion_model.modules():
+        assert not isinstance(module.__dict__.get("forward"), pl.LinearLayer)
+
+
+def test_garbage_collected_clone_frees_prepared_weights():
+    base = FakePatcher(_model())
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
+    state = patched.triton_accel_linear
+    patched.patch_model()
+    patched.model.diffusion_model(*_inputs())
+    assert state.prepared_bytes() > 0
+    del patched
+    gc.collect()
+    assert state.prepared_bytes() == 0
+
+
+def test_twenty_patch_unpatch_cycles_do_not_grow_memory():
+    base = FakePatcher(_model())
+    x, t = _inputs()
+    counts = []
+    for cycle in range(20):
+        patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
+        patched.patch_model()
+        patched.model.diffusion_model(x, t)
+        assert patched.triton_accel_linear.prepared_bytes() > 0
+        patched.detach()
+        del patched
+        if cycle in (1, 19):  # after the first cycles' one-time allocations, and at the end
+            counts.append(_live_tensor_bytes())
+    assert counts[1] == counts[0], f"live CPU tensors (count, bytes) grew over 20 cycles: {counts[0]} -> {counts[1]}"
+    live = [s for s in list(pl._live_states) if s.layers and s.layers[0].module is base.model.diffusion_model.img_in]
+    assert len(live) <= 1, f"{len(live)} patch states of this model still alive"
+
+
+def test_repatching_a_patched_clone_wraps_comfyuis_forward_not_ours():
+    base = FakePatcher(_model())
+    first = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
+    second = pl.patch_linear_model(first, FORCED["fp8"], skip="", min_tokens=1)
+    layer = second.object_patches["diffusion_model.blocks.0.qkv.forward"]
+    assert not isinstance(layer.previous, pl.LinearLayer)
+
+
+# ---- the nodes ------------------------------------------------------------------------------
+
+def test_combined_node_patches_attention_and_linear_under_one_label():
+    from triton_accel.nodes.patch_attention import OVERRIDE_KEY
+
+    base = FakePatcher(_model())
+    result = pl.TritonAccelPatch().patch(base, "auto", 64, AccelSettings("fp16", linear_mode="fp8"))
+    patched = result["result"][0]
+    override = patched.model_options["transformer_options"][OVERRIDE_KEY]
+    assert patched.triton_accel_linear.label == override.label
+    assert len(patched.object_patches) == 8
+    text = result["ui"]["text"][0]
+    assert "8 Linear layers patched, 4 of them skipped by name" in text and "fp8 forced" in text, text
+    assert base.object_patches == {} and OVERRIDE_KEY not in base.model_options["transformer_options"]
+
+
+def test_linear_node_without_settings_is_auto():
+    result = pl.TritonAccelPatchLinear().patch(FakePatcher(_model()))
+    text = result["ui"]["text"][0]
+    assert "PyTorch Linear: no GPU" in text, text
+
+
+def test_settings_node_shows_both_decisions():
+    text = TritonAccelSettings().configure("fp16", "cpu", "int8")["ui"]["text"][0]
+    assert "fp16 forced on the CPU" in text and "Linear: int8 forced on the CPU" in text, text
+    with pytest.raises(ValueError, match="unknown Linear mode"):
+        AccelSettings("auto", linear_mode="fp4")
