@@ -65,6 +65,28 @@ def clear_memory() -> None:
     _cache.clear()
 
 
+# Autotuning compiles and times every candidate config: seconds, during a model's first call.
+# kernels/ knows nothing of ComfyUI, so the nodes install a hook here that drives ComfyUI's
+# progress bar; it is called as hook(done, total) after each candidate, failed ones included.
+ProgressHook = Callable[[int, int], None]
+_progress_hook: ProgressHook | None = None
+
+
+def set_progress_hook(hook: ProgressHook | None) -> None:
+    """Install (or, with None, remove) the function told autotuning's progress as (done, total)."""
+    global _progress_hook
+    _progress_hook = hook
+
+
+def _report_progress(done: int, total: int) -> None:
+    if _progress_hook is None:
+        return
+    try:
+        _progress_hook(done, total)
+    except Exception as e:  # a broken progress display must never stop the tuning it reports on
+        log.debug("autotune progress hook failed: %s", e)
+
+
 def autotune(candidates: list[dict], run: Callable[[dict], object]) -> tuple[dict, dict]:
     """Time every candidate with run(config) and return (best, {index: ms}).
 
@@ -74,6 +96,8 @@ def autotune(candidates: list[dict], run: Callable[[dict], object]) -> tuple[dic
 
     timings = {}
     best, best_ms = None, float("inf")
+    total = len(candidates)
+    _report_progress(0, total)
     for i, cfg in enumerate(candidates):
         try:
             run(cfg)
@@ -81,6 +105,8 @@ def autotune(candidates: list[dict], run: Callable[[dict], object]) -> tuple[dic
         except Exception as e:
             log.debug("autotune candidate %s failed: %s", cfg, e)
             continue
+        finally:
+            _report_progress(i + 1, total)
         timings[i] = ms
         if ms < best_ms:
             best, best_ms = cfg, ms
@@ -98,8 +124,12 @@ def choose(op: str, info: _device.DeviceInfo, shape_class: tuple, default: dict,
     if hit is not None:
         return hit
     if autotune_enabled() and candidates is not None and run is not None:
-        log.info("autotuning %s for %s (TRITON_ACCEL_AUTOTUNE=1)", op, key)
-        best, _ = autotune(candidates(), run)
+        configs = candidates()
+        shape_text = "-".join(map(str, shape_class))
+        log.info("autotuning %s at %s: %d configs (first call only; TRITON_ACCEL_AUTOTUNE=1)",
+                 op, shape_text, len(configs))
+        best, timings = autotune(configs, run)
+        log.info("autotuned %s at %s: chose %s (%.3f ms)", op, shape_text, best, min(timings.values()))
         store(key, best)
         return best
     return default

@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from .benchmark_core import TABLE_HEADER, TABLE_LEFT, header_lines, table_rows
+from .benchmark_core import TABLE_HEADER, TABLE_LEFT, header_lines, table_rows, within_bar
 
 log = logging.getLogger("triton_accel.benchmark")
 
@@ -73,7 +73,7 @@ def _bar_note(row: dict, r: dict) -> str:
     if r["impl"] != "pytorch" and base and r["ms"]:
         parts.append(f"{base / r['ms']:.2f}x")
     if r["rel_l2"] is not None:
-        bad = not r["rel_l2"] <= row["max_rel_l2"]
+        bad = not within_bar(row, r)
         parts.append(f"L2 {r['rel_l2']:.1e}" + (" (too far)" if bad else ""))
     return "  ".join(parts)
 
@@ -134,7 +134,7 @@ def _bars(ax, rows: list, kind: str, metric: str, hidden: int) -> None:
             y = i + (j - (len(impls) - 1) / 2) * height
             value = _value(r, metric)
             rel = r.get("rel_l2")
-            off = rel is not None and not rel <= row["max_rel_l2"]  # NaN too: hatched, not counted
+            off = rel is not None and not within_bar(row, r)  # NaN too: hatched, not counted
             ax.barh(y, value, height=height * 0.9, color=color, label=label if i == 0 else None,
                     hatch="//" if off else None, alpha=0.5 if off else 1.0)
             ax.text(value + top * 0.01, y, _bar_note(row, r), va="center", fontsize=7)

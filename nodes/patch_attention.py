@@ -18,7 +18,7 @@ from . import call_stats
 from .device_probe import probe
 from ..kernels.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
 from .settings import SEARCH_ALIASES, SETTINGS_TYPE, AccelSettings, patched_model_text
-from .speed_choice import ORIGINAL, SpeedChoice, shape_class
+from .speed_choice import ORIGINAL, SpeedChoice, note_model_device, shape_class
 from .speed_choice import shared as shared_speed_choice
 
 log = logging.getLogger("triton_accel")
@@ -45,6 +45,11 @@ def head_slices(call: dict):
     if call["skip_output_reshape"]:  # [B, H, L, D]
         return lambda out: out.reshape(b * h, -1)
     return lambda out: out.reshape(b, out.shape[1], h, -1).transpose(1, 2).reshape(b * h, -1)  # [B, L, H * D]
+
+
+def timed_on(device: torch.device) -> bool:
+    """Whether auto times its candidates here (CUDA events: NVIDIA and ROCm GPUs)."""
+    return device.type == "cuda"
 
 
 class Unsupported(Exception):
@@ -185,7 +190,7 @@ class AttentionOverride:
                 return out.transpose(1, 2).reshape(call["batch"], -1, call["heads"] * call["dim_head"])
             return run
 
-        if decision.measure and q.device.type == "cuda":
+        if decision.measure and timed_on(q.device):
             facts = probe(q.device)
             cls = shape_class(q, k, mask)
             key = "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
@@ -207,6 +212,7 @@ class AttentionOverride:
             # A quantized path is kept only where it measured faster and agrees with ComfyUI's
             # output by its bar (speed_choice.agreement_bar: whole-output rel. L2, worst-head cosine).
             about = {"device": str(q.device), "gpu": facts.name, "arch": facts.arch, "shape_class": cls}
+            note_model_device(self.label, q.device)  # its node shows this device's measurements
             choice, out = _speed().choose(key, candidates, q.device, groups=head_slices(call), about=about)
             if choice == ORIGINAL:
                 if out is None:

@@ -41,16 +41,19 @@ from ..kernels.gpu_rules import LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY, LINEAR_
 from . import call_stats
 from .settings import SEARCH_ALIASES as ATTENTION_SEARCH_ALIASES
 from .settings import SETTINGS_TYPE, AccelSettings, default_device, patched_model_text
+from .speed_choice import comfy_progress_bar
 
 log = logging.getLogger("triton_accel")
 
 KIND = call_stats.KIND_LINEAR
 CALLBACK_KEY = "triton_accel_linear"
-# Below this many rows (tokens x batch) a call goes to ComfyUI's Linear. Under one 64-row MMA
-# tile (wgmma's M) the GEMM reads the whole weight for a handful of rows, and the separate
-# activation-quantisation launch (a few microseconds) cannot be repaid: these calls are the
-# modulation and embedding layers (one row per image) and short text streams.
-MIN_TOKENS = 64
+# Below this many rows (tokens x batch) a call goes to ComfyUI's Linear. With few rows the
+# GEMM is bound by reading the weight, which FP8 halves but the separate activation-
+# quantisation launch and the persistent kernel's 128-row tiles give back: on the H200 a
+# 512-row text stream (Flux 512x3072->9216) ran at 0.49x cuBLAS, 4096 rows at 1.09-1.61x
+# (benchmark node, benchmarks/RESULTS.md session 17). These calls are modulation and
+# embedding layers (one row per image) and the text streams of Flux / Wan cross-attention.
+MIN_TOKENS = 1024
 # Largest rel. L2 (output vs ComfyUI's Linear on the same input) the quality guard accepts per
 # method. e4m3 keeps 3 mantissa bits: rounding one operand per channel/token gives ~0.024 on
 # Gaussian data (measured on the CPU: fp8_weight_only of a bf16 weight 0.024; both operands,
@@ -381,7 +384,7 @@ class LinearPatchState:
             if not stale:
                 return
             started = time.perf_counter()
-            bar = _progress_bar(len(stale))
+            bar = comfy_progress_bar(len(stale))
             for done, (layer, method, key) in enumerate(stale, 1):
                 layer.entries[str(device)] = self._prepare_one(layer, method, key)
                 if bar is not None:
@@ -463,17 +466,6 @@ def guard_failure(ours: torch.Tensor, reference: torch.Tensor, max_rel_l2: float
     if rel > max_rel_l2:
         return f"rel. L2 {rel:.3g} > {max_rel_l2}"
     return None
-
-
-def _progress_bar(total: int):
-    """ComfyUI's progress bar on the node that is running (None outside ComfyUI)."""
-    utils = sys.modules.get("comfy.utils")
-    if utils is None or not hasattr(utils, "ProgressBar"):
-        return None
-    try:
-        return utils.ProgressBar(total)
-    except Exception:
-        return None
 
 
 def fallback_report() -> list[dict]:

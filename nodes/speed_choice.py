@@ -14,14 +14,15 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..kernels import env_settings
-from ..kernels.gpu_rules import LOSSY_PATHS
+from ..kernels import env_settings, tuning
+from ..kernels.gpu_rules import LOSSY_PATHS, PATH_LABEL
 from ..kernels.json_cache import JsonCache
 
 log = logging.getLogger("triton_accel.nodes.speed_choice")  # not __name__: the clone's folder name
@@ -115,6 +116,36 @@ def valid_entry(key: str, entry: object) -> bool:
             and isinstance(entry.get("timings", {}), dict))
 
 
+def comfy_progress_bar(total: int):
+    """ComfyUI's progress bar on the node that is running; None outside ComfyUI (comfy.utils
+    never loaded: tests, the command-line benchmark) or when it cannot be made."""
+    utils = sys.modules.get("comfy.utils")
+    if utils is None or not hasattr(utils, "ProgressBar"):
+        return None
+    try:
+        return utils.ProgressBar(total)
+    except Exception:
+        return None
+
+
+class _AutotuneProgress:
+    """kernels.tuning's progress hook: one ComfyUI progress bar per autotuning run."""
+
+    def __init__(self):
+        self._bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if done == 0 or self._bar is None:
+            self._bar = comfy_progress_bar(total)
+        if self._bar is not None:
+            self._bar.update_absolute(done, total)
+        if done >= total:
+            self._bar = None
+
+
+tuning.set_progress_hook(_AutotuneProgress())
+
+
 def _time_ms(fn, device: torch.device) -> tuple[float, torch.Tensor]:
     out = None
     for _ in range(WARMUP_RUNS):
@@ -169,12 +200,17 @@ class SpeedChoice:
             names = [name for name in candidates if name != ORIGINAL]
             log.info("Triton Accel: timing %s against ComfyUI's attention at %s (first call only)",
                      ", ".join(names), where)
+            bar = comfy_progress_bar(len(names) + 1)  # ComfyUI's attention, then each candidate
             original_ms, original_out = self._timer(candidates[ORIGINAL], device)
+            if bar is not None:
+                bar.update(1)
             timings = {ORIGINAL: {"ms": round(original_ms, 4)}}
             outputs = {ORIGINAL: original_out}
             choice, best_ms = ORIGINAL, original_ms
             for name in names:
                 ms, out = self._timer(candidates[name], device)
+                if bar is not None:
+                    bar.update(1)
                 metrics = agreement(out, original_out, groups)
                 ok = agrees(metrics, agreement_bar(name))
                 timings[name] = {"ms": round(ms, 4), **metrics, "agrees": ok}
@@ -235,3 +271,58 @@ def speed_summary(speed_choice: SpeedChoice | None = None) -> list[dict]:
     agreement: {path: {rel_l2, min_cosine, agrees}}}, from memory and the cache file."""
     entries = (speed_choice or shared()).snapshot()
     return [_row(key, entry) for key, entry in sorted(entries.items()) if valid_entry(key, entry)]
+
+
+# Which devices each patched model (call_stats' label, "Flux #1") ran auto's measured path on,
+# so its node shows the measurements of its own device(s), not every GPU's.
+_model_devices: dict[str, set[str]] = {}
+_model_devices_lock = threading.Lock()
+MAX_SPEED_LINES = 6
+
+
+def note_model_device(label: str | None, device: torch.device | str) -> None:
+    if label is None:
+        return
+    with _model_devices_lock:
+        _model_devices.setdefault(label, set()).add(str(device))
+
+
+def model_devices(label: str) -> set[str]:
+    with _model_devices_lock:
+        return set(_model_devices.get(label, ()))
+
+
+def _speed_line(row: dict) -> str:
+    where = f"auto at {row['shape_class']}"
+    timings = row.get("timings_ms") or {}
+    original = timings.get(ORIGINAL)
+    if row["choice"] != ORIGINAL:
+        label = PATH_LABEL.get(row["choice"], row["choice"])
+        if row.get("speedup_vs_original") is None:
+            return f"{where}: {label} kept"
+        return f"{where}: {label} {row['speedup_vs_original']:.2f}x faster than ComfyUI's (kept)"
+    agreement_of = row.get("agreement") or {}
+    agreeing = {name for name, a in agreement_of.items() if a.get("agrees")}
+    ours = {name: ms for name, ms in timings.items()
+            if name != ORIGINAL and isinstance(ms, (int, float)) and ms > 0}
+    pool = [ms for name, ms in ours.items() if name in agreeing] or list(ours.values())
+    if not pool or not isinstance(original, (int, float)):
+        return f"{where}: ComfyUI's kept"
+    why = "" if agreeing or not agreement_of else ", did not match its output"
+    return f"{where}: ComfyUI's kept (ours {original / min(pool):.2f}x{why})"
+
+
+def speed_lines(devices: set[str] | None = None, rows: list[dict] | None = None,
+                limit: int = MAX_SPEED_LINES) -> list[str]:
+    """auto's measured speed-up per shape class, one short line each, for the patch node's
+    text: rows of speed_summary() measured on `devices` (None: all). At most `limit` lines; the
+    rest are counted in the last one."""
+    rows = speed_summary() if rows is None else rows
+    if devices is not None:
+        rows = [r for r in rows if r.get("device") in devices]
+    if len(rows) <= limit:
+        return [_speed_line(r) for r in rows]
+    shown = [_speed_line(r) for r in rows[:limit - 1]]
+    rest = rows[limit - 1:]
+    faster = sum(1 for r in rest if r["choice"] != ORIGINAL)
+    return shown + [f"... {len(rest)} more shape classes ({faster} on our kernels): see the Triton Accel panel"]

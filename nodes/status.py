@@ -93,10 +93,25 @@ def _counts_for_people(counts: dict) -> dict:
             "reasons": [{"reason": r, "calls": n} for r, n in reasons]}
 
 
-def models_status(snapshot: dict | None = None) -> list[dict]:
+def _speed_lines_of(label: str, rows: list[dict] | None) -> list[str]:
+    """auto's measured speed-up on the devices this model ran on (its patch node's text)."""
+    try:
+        speed_choice = importlib.import_module(".speed_choice", __package__)
+        devices = speed_choice.model_devices(label)
+        return speed_choice.speed_lines(devices, rows=rows) if devices else []
+    except Exception as e:  # the counts must still show
+        log.debug("Triton Accel: speed lines for %s: %s: %s", label, type(e).__name__, e)
+        return []
+
+
+def models_status(snapshot: dict | None = None, speed_rows: list[dict] | None = None) -> list[dict]:
+    """Per patched model: its call counts and `speed` (auto's measured speed-up lines)."""
     snapshot = snapshot or call_stats.snapshot()
+    if speed_rows is None:
+        speed_rows = measurements().get("rows", [])
     return [{"label": label, "model_class": m["model_class"],
-             "kinds": {kind: _counts_for_people(c) for kind, c in m["kinds"].items()}}
+             "kinds": {kind: _counts_for_people(c) for kind, c in m["kinds"].items()},
+             "speed": _speed_lines_of(label, speed_rows)}
             for label, m in snapshot["models"].items()]
 
 
@@ -180,14 +195,15 @@ def benchmark_status() -> dict:
 
 def status_payload() -> dict:
     snapshot = call_stats.snapshot()
+    measured = measurements()
     return {
         "version": STATUS_VERSION, "pack_version": PACK_VERSION,
         "triton_version": kernels.triton_version(), "torch_version": torch.__version__,
         "handed_back_label": call_stats.HANDED_BACK_LABEL,
         "devices": [device_status(d) for d in visible_devices()],
-        "models": models_status(snapshot),
+        "models": models_status(snapshot, measured.get("rows", [])),
         "totals": {kind: _counts_for_people(c) for kind, c in snapshot["kinds"].items()},
-        "measurements": measurements(),
+        "measurements": measured,
         "install": install_health(),
         "benchmark": benchmark_status(),
     }

@@ -122,9 +122,18 @@ def test_settings_node_contract(comfy):
     optional = info["input"].get("optional", {})
     assert "mode" in required, info["input"]
     assert _combo_options(required["mode"]) == ["auto", "fp8", "int8", "fp16", "off"]
+    labels = required["mode"][-1].get("triton_accel_labels", {})
+    assert set(labels) == {"auto", "fp8", "int8", "fp16", "off"}, labels
+    assert "BF16" in labels["fp16"], labels  # the name alone hides that fp16 also means BF16
+    # issue #13: device is a dropdown of the detected devices (plus auto), not free text where a
+    # typo printed a traceback; this CPU-only server detects only the CPU
     assert "device" in optional, f"device should be an optional input: {info['input']}"
-    assert optional["device"][0] == "STRING"
-    assert optional["device"][1].get("default") == "auto"
+    device_options = _combo_options(optional["device"])
+    assert device_options[0] == "auto" and "cpu" in device_options, device_options
+    assert optional["device"][-1].get("default") == "auto"
+    assert "linear" in optional, f"linear should be an optional input: {info['input']}"
+    assert _combo_options(optional["linear"]) == ["auto", "fp8", "int8", "fp8_weight_only", "off"]
+    assert optional["linear"][-1].get("default") == "auto"
     assert list(info["output"]) == ["TRITON_ACCEL_SETTINGS"]
     assert info["category"] == "Triton Accel"
 

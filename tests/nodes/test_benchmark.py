@@ -70,6 +70,54 @@ def test_attention_unknown_path_is_reported_not_raised():
     assert core.best_ours(row) is None
 
 
+# One source of truth for "accurate enough": auto's per-path bar (speed_choice.agreement_bar).
+# Outputs off the float32 reference by a set rel. L2 (noise spread over every head) or with one
+# head of eight broken (whole-output rel. L2 0.035 hides it; that head's cosine is ~0.995).
+BAR_CASES = {
+    # name: (path, whole-output noise, break one head, within the bar)
+    "fp16_rounding": ("triton_fp16", 1e-3, False, True),
+    "fp16_at_quantized_noise": ("triton_fp16", 3e-2, False, False),  # lossless bar 2e-2
+    "fp8_quantized_noise": ("triton_fp8", 3e-2, False, True),  # quantized bar 0.05
+    "fp8_too_noisy": ("triton_fp8", 8e-2, False, False),
+    "fp8_one_broken_head": ("triton_fp8", 0.0, True, False),  # worst-head cosine < 0.998
+}
+
+
+@pytest.mark.parametrize("case", list(BAR_CASES))
+def test_attention_paths_are_judged_by_autos_bar(case):
+    from triton_accel.nodes.speed_choice import agreement_bar
+
+    path, noise, broken_head, expected = BAR_CASES[case]
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1, 8, 64, 64, generator=g)
+    direction = torch.randn(ref.shape, generator=g)
+    out = ref + direction * (noise * ref.norm() / direction.norm())
+    if broken_head:
+        out[0, 3] = ref[0, 3] + 0.1 * torch.randn(ref[0, 3].shape, generator=g)  # that head: rel. L2 0.1
+    entry = core._measure(path, path, lambda: out, lambda fn: 1.0, 1e9, ref, torch.arange(64),
+                          lambda o, rows: o, judge_path=path)
+    bar = agreement_bar(path)
+    assert entry["within_bar"] is expected, entry
+    if broken_head:  # the whole-output figure alone would have kept it
+        assert entry["rel_l2"] < bar.max_rel_l2 and entry["min_cosine"] < bar.min_cosine, entry
+    assert entry["bar"] == {"max_rel_l2": bar.max_rel_l2, "min_cosine": bar.min_cosine}
+    row = {"results": [{"ms": 2.0}, entry], "max_rel_l2": core.ATTENTION_MAX_REL_L2}
+    assert (core.best_ours(row) is entry) is expected
+
+
+def test_report_states_the_bars_it_judged_by():
+    result = synthetic_result()
+    fp8 = result["attention"][0]["results"][1]
+    fp8.update(impl="triton_fp8", label="Triton FP8", rel_l2=0.03, min_cosine=0.999, within_bar=True,
+               bar={"max_rel_l2": 0.05, "min_cosine": 0.998})
+    text = core.report_text(result)
+    assert ("accuracy bar vs float32 (auto's and the Linear guard's; * = outside it, not counted): "
+            "Triton FP8: rel. L2 <= 0.05 and worst-head cosine >= 0.998; Triton FP16/BF16: rel. L2 <= 0.02") in text
+    assert "3.0e-02" in text and "3.0e-02*" not in text  # FP8 within its bar
+    assert "5.0e-01*" in text  # the FP16 row at 0.5 is outside its bar
+    assert core.summarize(result)["attention"]["ours_ms"] == pytest.approx(57 * 1.0 + 10 * 1.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_row_pytorch_accuracy(dtype):
     shape = core.LinearShape(96, 64, 48, dtype)
@@ -252,7 +300,8 @@ class FakePatcher:
         return FakePatcher(self.model, copy.deepcopy(self.model_options))
 
 
-def test_recording_counts_shapes_and_leaves_nothing_behind():
+def test_recording_counts_shapes_and_leaves_nothing_behind(monkeypatch):
+    monkeypatch.setattr(core, "MIN_TOKENS", 64)  # the fake's 160-row calls count as patched
     patcher = FakePatcher(FakeInnerModel())
     x = torch.randn(2, 80, 64)
     with node.recording(patcher) as (clone, recorder, timing):

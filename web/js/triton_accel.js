@@ -145,7 +145,9 @@ function countsLine(model) {
         const calls = (n) => `${n} call${n === 1 ? "" : "s"}`;
         parts.push(`${kind}: ${calls(c.served)} served${paths ? ` (${paths})` : ""}, ${c.handed_back} handed back`);
     }
-    return parts.length ? `${model.label}: ${parts.join("; ")}` : `${model.label}: no calls yet`;
+    const head = parts.length ? `${model.label}: ${parts.join("; ")}` : `${model.label}: no calls yet`;
+    // auto's measured speed-up per shape class on this model's device (at most ~6 lines, server-side)
+    return [head, ...(model?.speed ?? [])].join("\n");
 }
 
 async function fetchStatus() {
