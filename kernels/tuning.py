@@ -129,7 +129,9 @@ def choose(op: str, info: _device.DeviceInfo, shape_class: tuple, default: dict,
         log.info("autotuning %s at %s: %d configs (first call only; TRITON_ACCEL_AUTOTUNE=1)",
                  op, shape_text, len(configs))
         best, timings = autotune(configs, run)
-        log.info("autotuned %s at %s: chose %s (%.3f ms)", op, shape_text, best, min(timings.values()))
+        # timings is empty when no config ran (each failed, or a stand-in autotune): say so, never raise
+        best_ms = min(timings.values(), default=float("nan"))
+        log.info("autotuned %s at %s: chose %s (%.3f ms)", op, shape_text, best, best_ms)
         store(key, best)
         return best
     return default
