@@ -202,7 +202,7 @@ def _flash_route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter):
 # at Flux/Wan/Hunyuan, head dim 256 and GQA, where the plain-Triton kernel gives 0.53-0.91x.
 # It serves unmasked, non-causal calls whose tensors TMA can read in place; everything else,
 # and every GPU but sm_90, keeps the plain-Triton kernels below.
-GLUON_BF16_NAMES = ("attention_gluon_bf16", "gluon_bf16_refusal", "call_refusal")
+GLUON_BF16_NAMES = ("attention_gluon_bf16", "gluon_bf16_refusal", "call_refusal", "GluonUnsupportedError")
 _gluon_bf16_disabled: dict = {}  # device -> why the kernel failed on its first call there
 _gluon_bf16_ok: dict = {}  # device -> True once a call has succeeded there
 
@@ -225,10 +225,12 @@ def _gluon_bf16(q, k, v, scale):
     (a layout TMA cannot read, which the route key does not capture; or a first-call failure
     on this device, logged once and remembered)."""
     mod = _modules["attention_gluon_hopper_bf16"][0]
-    if mod.call_refusal(q, k, v) is not None:
-        return None
     try:
+        # The launcher checks the call itself (strides included) and raises
+        # GluonUnsupportedError for one it cannot read: that call takes the flash kernel.
         out = mod.attention_gluon_bf16(q, k, v, scale=scale)
+    except mod.GluonUnsupportedError:
+        return None
     except Exception as e:
         if _gluon_bf16_ok.get(q.device):
             raise  # it ran here before: a real error, not an unsupported Triton or driver

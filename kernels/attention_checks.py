@@ -73,6 +73,19 @@ def attention_input_error(q, k, v, attn_mask=None, *, same_head_dim_v: bool = Fa
     return None
 
 
+def half_precision_refusal(q, k, v) -> str | None:
+    """The first checks of every quantized / Gluon kernel's call_refusal: three [B, H, L, D]
+    tensors of one dtype, float16 or bfloat16, on one device (None when they are)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return f"{name} must be a [B, H, L, D] tensor"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
+        return f"q, k, v must all be float16 or bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype})"
+    if not (q.device == k.device == v.device):
+        return "q, k, v are on different devices"
+    return None
+
+
 def _mask_error(attn_mask, target: tuple, device) -> str | None:
     if not isinstance(attn_mask, torch.Tensor):
         return f"attn_mask must be a tensor or None, got {type(attn_mask).__name__}"

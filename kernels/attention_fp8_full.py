@@ -37,6 +37,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import device as _device
+from .attention_checks import half_precision_refusal
 from .attention_fp8_quant import FP8_MAX, LOG2E, N_OUTLIER, padded_head_dim, quantize_qkv
 from .attention_ref import attention_ref
 from .gpu_rules import min_capability_for
@@ -160,13 +161,9 @@ if triton is not None:
 
 def call_refusal(q, k, v, attn_mask=None, is_causal=False) -> str | None:
     """Why the kernel cannot serve these tensors (shapes, dtypes, mask, causal), or None."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            return f"{name} must be a [B, H, L, D] tensor"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
-        return f"q, k, v must all be float16 or bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype})"
-    if not (q.device == k.device == v.device):
-        return "q, k, v are on different devices"
+    reason = half_precision_refusal(q, k, v)
+    if reason:
+        return reason
     B, H, _, D = q.shape
     if k.shape[:2] != (B, H) or v.shape[:2] != (B, H):
         return f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: batch and heads must match (no GQA)"

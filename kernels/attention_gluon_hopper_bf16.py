@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from .attention_checks import half_precision_refusal
 from .kernel_common import LOG2E
 from .attention_gluon_hopper import (
     BLOCK_M,
@@ -102,13 +103,9 @@ def _stride_refusal(name: str, t: torch.Tensor) -> str | None:
 
 def call_refusal(q, k, v, attn_mask=None, is_causal=False) -> str | None:
     """Why these tensors cannot be served by the BF16 Gluon kernel, or None."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            return f"{name} must be a [B, H, L, D] tensor"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
-        return f"q, k, v must all be float16 or bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype})"
-    if not (q.device == k.device == v.device):
-        return "q, k, v are on different devices"
+    reason = half_precision_refusal(q, k, v)
+    if reason:
+        return reason
     B, H, _, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
         return (f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, "

@@ -212,6 +212,42 @@ if triton is not None:
         return pid_m, pid_n
 
     @triton.jit
+    def _tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n, GROUP_M: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # The pointer GEMMs' prologue (FP8 here, INT8 and FP8 weight-only beside): one output
+        # tile's rows, columns and first K-tile pointers. Rows / columns past the edge read row
+        # 0 instead: valid memory, unmasked (vector) loads; the masked store drops what they give.
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm_ld = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
+        rn_ld = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = A + rm_ld.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = B + rn_ld.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+        return rm, rn, a_ptrs, b_ptrs
+
+    @triton.jit
+    def _load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     A_ZERO: tl.constexpr, B_ZERO: tl.constexpr):
+        # The last K tile of an odd K reads zeros past the end: they add nothing to the dot.
+        # A_ZERO / B_ZERO: zero of the operand's kind (0.0 for fp8/fp16 tiles, 0 for int8 and
+        # raw e4m3 bytes): the interpreter will not cast an int fill into an fp8 tile.
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = tl.arange(0, BLOCK_K)[None, :] < K - ki * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok, other=A_ZERO)
+            b = tl.load(b_ptrs, mask=k_ok, other=B_ZERO)
+        return a, b
+
+    @triton.jit
+    def _store_tile(C, out, rm, rn, M, N, stride_cm):
+        c_ptrs = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
     def _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS: tl.constexpr):
         # Dequantise: row (token) scale x column (channel) scale, then the bias, in fp32.
         sa = tl.load(SA + rm, mask=rm < M, other=0.0)
@@ -254,32 +290,16 @@ if triton is not None:
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
-        offs_k = tl.arange(0, BLOCK_K)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            # Rows / columns past the edge read row 0 instead: valid memory, unmasked (vector)
-            # loads; the masked store below drops what they produce.
-            rm_ld = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
-            rn_ld = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
-            a_ptrs = A + rm_ld.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-            b_ptrs = B + rn_ld.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+            rm, rn, a_ptrs, b_ptrs = _tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n,
+                                                    GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(k_tiles):
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
-                else:
-                    k_ok = offs_k[None, :] < K - ki * BLOCK_K
-                    a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+                a, b = _load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0.0, 0.0)
                 acc = tl.dot(a, tl.trans(b), acc)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
-            out = _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
-            c_ptrs = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-            tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+            _store_tile(C, _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS), rm, rn, M, N, stride_cm)
 
 
 def _check_device(device: torch.device) -> bool:

@@ -41,7 +41,7 @@ from . import device as _device
 from .kernel_common import arch_family, family_in, sm_count
 
 if triton is not None:
-    from .linear_fp8 import _scale_bias, _tile_coords
+    from .linear_fp8 import _load_k_tile, _scale_bias, _store_tile, _tile_operands
 
 log = logging.getLogger("triton_accel.kernels.linear_int8")  # not __name__: the clone's folder name
 
@@ -177,34 +177,19 @@ if triton is not None:
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
-        offs_k = tl.arange(0, BLOCK_K)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            # Rows / columns past the edge read row 0 instead: valid memory, unmasked (vector)
-            # loads; the masked store below drops what they produce.
-            rm_ld = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
-            rn_ld = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
-            a_ptrs = A + rm_ld.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-            b_ptrs = B + rn_ld.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+            rm, rn, a_ptrs, b_ptrs = _tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n,
+                                                    GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
             for ki in range(k_tiles):
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
-                else:
-                    k_ok = offs_k[None, :] < K - ki * BLOCK_K
-                    a = tl.load(a_ptrs, mask=k_ok, other=0)
-                    b = tl.load(b_ptrs, mask=k_ok, other=0)
+                a, b = _load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0, 0)
                 # int8 x int8 -> int32, exact. out_dtype spelled out: Triton 3.5-3.7 otherwise
                 # assume an fp32 accumulator and reject the int32 one.
                 acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
             out = _scale_bias(acc.to(tl.float32), SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
-            c_ptrs = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-            tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+            _store_tile(C, out, rm, rn, M, N, stride_cm)
 
 
 def _interpreter(device: torch.device) -> bool:

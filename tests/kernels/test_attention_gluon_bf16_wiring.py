@@ -22,16 +22,22 @@ class _FakeGluon(types.SimpleNamespace):
     pass
 
 
+class _Unsupported(RuntimeError):
+    pass
+
+
 def _fake(fail=None, refuse_call=None, refuse_device=None):
     calls = []
 
     def attention_gluon_bf16(q, k, v, scale=None):
+        if refuse_call:  # as the real launcher: it checks the call before launching
+            raise _Unsupported(refuse_call)
         calls.append(scale)
         if fail is not None:
             raise fail
         return torch.full_like(q, 7.0)
 
-    mod = _FakeGluon(attention_gluon_bf16=attention_gluon_bf16,
+    mod = _FakeGluon(attention_gluon_bf16=attention_gluon_bf16, GluonUnsupportedError=_Unsupported,
                      gluon_bf16_refusal=lambda device: refuse_device,
                      call_refusal=lambda q, k, v, attn_mask=None, is_causal=False: refuse_call)
     return mod, calls
