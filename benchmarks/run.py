@@ -152,6 +152,55 @@ def baselines(shape, m0=None):
     return out
 
 
+# Our quantized paths, quantisation of Q/K/V included in their time (what a ComfyUI call costs).
+QUANTIZED_IMPLS = {"ours_fp8": "triton_fp8", "ours_int8": "triton_int8"}
+# DiT shapes whose accuracy is also judged on inputs with real-model outliers (issue #11's bars:
+# outliers cos >= 0.9995 and rel. L2 <= 0.03; Gaussian cos >= 0.998 and rel. L2 <= 0.06).
+OUTLIER_SHAPES = {"flux_4608_d128", "wan14b_32760_d128", "hunyuan_33390_d128"}
+OUTLIER_IMPLS = ("ours", "ours_fp8", "ours_int8", "sdpa_cudnn", "sage1", "ck_int8")
+
+
+def quantized_impls():
+    return {n: (lambda q, k, v, m, b=b: K.attention(q, k, v, attn_mask=m, backend=b), "")
+            for n, b in QUANTIZED_IMPLS.items()}
+
+
+def naive_fp8(q, k, v):
+    """Per-tensor e4m3 of Q, K and V (scale = amax / 448), dequantized: what a plain FP8
+    attention without smoothing or finer scales computes with."""
+    def fake(t):
+        s = t.float().abs().amax().clamp_min(1e-12) / 448.0
+        return ((t.float() / s).to(torch.float8_e4m3fn).float() * s).to(t.dtype)
+    return fake(q), fake(k), fake(v)
+
+
+def outlier_accuracy(shape, dtype, device, impls):
+    """rel. L2 / cosine against float32 on outlier inputs (benchmarks/check_fp8.py's recipe:
+    K with a large common offset and 60-100x channels, Q and V outlier channels)."""
+    from check_fp8 import make_inputs as outlier_inputs
+
+    name, B, H, Hkv, Lq, Lk, D, mask = shape
+    q, k, v = outlier_inputs(B, H, Hkv, Lq, Lk, D, dtype, "outliers")
+    rows = torch.randperm(Lq, device=device)[:512]
+    ref = ref_rows(q, k, v, None, rows)
+    out = {}
+    for iname in OUTLIER_IMPLS:
+        fn = impls.get(iname, (None, "not run"))[0]
+        if fn is None:
+            continue
+        try:
+            out[iname] = errors(fn(q, k, v, None)[:, :, rows], ref)
+        except Exception as e:
+            out[iname] = {"missing": f"{type(e).__name__}: {str(e)[:120]}"}
+    out["naive_fp8"] = errors(ref_rows(*naive_fp8(q, k, v), None, rows), ref)
+    for iname, rec in out.items():
+        log(f"{name:<22} outliers {iname:<11} " + (f"relL2 {rec['rel_l2']:.5f} cos {rec['cos']:.6f}"
+                                                    if "rel_l2" in rec else f"missing: {rec['missing']}"))
+    del q, k, v
+    torch.cuda.empty_cache()
+    return out
+
+
 def _at():
     from importlib import import_module
     return import_module(K.__name__ + ".attention_triton")
@@ -264,6 +313,7 @@ def main():
     ap.add_argument("--only", default="", help="comma list of shape names")
     ap.add_argument("--skip", default="", help="comma list of baselines to skip")
     ap.add_argument("--name", default="bench", help="JSON file name (without .json)")
+    ap.add_argument("--no-quantized", action="store_true", help="leave out our FP8 / INT8 paths and the outlier check")
     args = ap.parse_args()
 
     device = q_device()
@@ -304,6 +354,8 @@ def main():
                 impls = {"ours": (lambda q, k, v, m: K.attention(q, k, v, attn_mask=m, backend="triton"), ""),
                          # the launcher alone, default config: separates Python dispatch cost from kernel time
                          "ours_raw": (lambda q, k, v, m: _at().attention_triton(q, k, v, m), "")}
+                if not args.no_quantized:
+                    impls.update(quantized_impls())
                 impls.update({n: f for n, f in baselines(shape, m).items() if n not in skip})
                 row = {"shape": name, "dims": [B, H, Hkv, Lq, Lk, D], "mask": mask, "dtype": dname, "impl": {}}
                 for iname, (fn, why) in impls.items():
@@ -350,6 +402,10 @@ def main():
                                 f"  host {host_us:.1f} us/call")
                         except Exception as e:
                             row["graph"][gname] = {"missing": f"{type(e).__name__}: {str(e)[:120]}"}
+                if not args.no_quantized and name in OUTLIER_SHAPES:
+                    del sets, q, k, v
+                    row["outliers"] = outlier_accuracy(shape, dtype, device, impls)
+                    sets = q = k = v = None
                 results["rows"].append(row)
                 del sets, q, k, v, m
                 torch.cuda.empty_cache()
@@ -360,6 +416,34 @@ def main():
     path.write_text(json.dumps(results, indent=1))
     log(f"\nwrote {path}")
     print_table(results)
+
+
+def print_quantized_table(results):
+    """Our FP8 / INT8 paths (quantisation included) beside cuDNN, SageAttention 1.0.6 and
+    comfy-kitchen INT8; accuracy on Gaussian and on outlier inputs."""
+    names = ["ours", "ours_fp8", "ours_int8", "sdpa_cudnn", "sdpa_flash", "flex", "sage1", "ck_int8"]
+    rows = [r for r in results["rows"] if any("tflops" in r["impl"].get(n, {}) for n in QUANTIZED_IMPLS)]
+    if not rows:
+        return
+    log("\nQuantized paths (TFLOP/s incl. quantisation; ratio to SDPA-cuDNN BF16/FP16 of the same dtype)")
+    log(f"{'shape':<22} {'dt':<4} " + " ".join(f"{n:>10}" for n in names)
+        + f" {'fp8/cud':>7} {'int8/cud':>8} {'fp8/sage':>8}")
+    for row in rows:
+        tf = {n: row["impl"].get(n, {}).get("tflops") for n in names}
+        cells = " ".join(f"{tf[n]:10.1f}" if tf[n] else f"{'-':>10}" for n in names)
+        r = lambda a, b, w: f"{tf[a] / tf[b]:{w}.2f}" if tf[a] and tf[b] else f"{'-':>{w}}"
+        log(f"{row['shape']:<22} {row['dtype']:<4} {cells} {r('ours_fp8', 'sdpa_cudnn', 7)} "
+            f"{r('ours_int8', 'sdpa_cudnn', 8)} {r('ours_fp8', 'sage1', 8)}")
+    log("accuracy vs float32 (rel. L2 / cosine): gauss = the timed inputs; outliers = check_fp8's recipe")
+    for row in rows:
+        for kind, recs in (("gauss", row["impl"]), ("outliers", row.get("outliers") or {})):
+            cells = []
+            for n in ("ours", "ours_fp8", "ours_int8", "sdpa_cudnn", "sage1", "ck_int8", "naive_fp8"):
+                rec = recs.get(n, {})
+                if "rel_l2" in rec:
+                    cells.append(f"{n} {rec['rel_l2']:.4f}/{rec['cos']:.5f}")
+            if cells:
+                log(f"  {row['shape']:<22} {row['dtype']:<4} {kind:<8} " + "  ".join(cells))
 
 
 def print_table(results):
@@ -384,11 +468,12 @@ def print_table(results):
     for name, rows in results.get("sweep", {}).items():
         if rows:
             log(f"sweep best {name}: {rows[0]['tflops']:.1f} TF/s {rows[0]['config']}")
+    print_quantized_table(results)
 
 
 def markdown_table(results) -> str:
     """The measured table as Markdown, for benchmarks/RESULTS.md."""
-    names = ["ours", "sdpa_flash", "sdpa_cudnn", "flex", "sage1", "ck_int8"]
+    names = ["ours", "ours_fp8", "ours_int8", "sdpa_flash", "sdpa_cudnn", "flex", "sage1", "ck_int8"]
     lines = ["| shape | dtype | " + " | ".join(names) + " | ours/flash | ours/cudnn | ours/flex | relL2 ours | relL2 flash |",
              "|" + "---|" * (len(names) + 7)]
     for row in results["rows"]:
