@@ -22,6 +22,16 @@ precision= is a thin alias of backend=: "fp8" -> "triton_fp8", "int8" -> "triton
 "fp16" / "bf16" -> "triton" (the dtype still comes from the inputs).
 Invalid calls raise AttentionInputError (a ValueError) with the reason, whatever the backend.
 
+return_lse=True returns (out, lse): lse float32 [B, H, Lq], the natural-log logsumexp of each
+query row's scaled, masked scores, so attentions over disjoint key sets merge exactly
+(kernels.sequence_parallel.merge_partials). A row whose keys are all masked has lse = -inf and
+out = 0. Served by our flash kernel (the short-key and Gluon kernels are skipped for it), the
+"fp8" path's full-FP8 and INT8-Q.K/FP8-P.V kernels, the "int8" kernel (quantized paths: the
+logsumexp of the scores as they were quantized) and the float32 reference. Any other path
+(PyTorch SDPA, an extension's implementation) gets out and lse from the float32 reference on
+CPU and is refused (BackendUnavailableError) elsewhere; "auto" takes our flash kernel, or the
+reference on CPU. Traced through its own op, torch.ops.triton_accel.attention_lse.
+
 Gradients: the op has a backward (torch.library.register_autograd) that recomputes the
 attention in float32 PyTorch math and differentiates it, so inputs that require grad get
 SDPA's gradients. It materialises the [B, H, Lq, Lk] scores: fine for fine-tuning small
@@ -32,7 +42,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -45,12 +55,13 @@ from .attention_ref import attention_ref
 from .gpu_rules import (FP8_KERNEL_FULL, FP8_KERNEL_GLUON, FP8_KERNEL_INT8_FP8PV, FP8_KERNEL_QK, OPTIONAL_FP8_KERNELS,
                         fp8_kernel_order, min_capability_for)
 from .kernel_common import interpreter_upcast, is_out_of_resources, shape_class
-from .registry import BackendUnavailableError, Call, Constraints, Implementation, registry
+from .registry import BackendUnavailableError, Call, Constraints, Implementation, NoImplementationError, registry
 
 log = logging.getLogger("triton_accel.kernels.attention")  # not __name__: the clone's folder name
 
 OP = "attention"
 OP_QUALNAME = "triton_accel::attention"
+OP_LSE_QUALNAME = "triton_accel::attention_lse"
 BACKEND_ALIASES = {"triton": "triton_attention", "fp8": "triton_fp8", "int8": "triton_int8", "torch": "torch_sdpa",
                    "sdpa": "torch_sdpa", "reference": "reference_fp32"}
 # attention(precision=...) is only another way to name a backend.
@@ -451,6 +462,132 @@ def _register_implementations() -> None:
 _register_implementations()
 
 
+# ---- the log-sum-exp output (return_lse=True) ---------------------------------------------
+# Only kernels whose epilogue writes m + log(l) can give it; the others are skipped by these
+# routes, never asked for a logsumexp they would have to guess.
+LSE_FP8_KERNELS = (FP8_KERNEL_INT8_FP8PV, FP8_KERNEL_FULL)
+NO_LSE = "cannot return the log-sum-exp (return_lse=True)"
+_lse_routes: dict = {}  # route key -> ("flash", config) of the flash kernel for LSE calls
+_fp8_lse_routes: dict = {}  # FP8 call signature -> (kernel or None, {refused kernel: why})
+for _name, _cache in (("lse_routes", _lse_routes), ("fp8_lse_routes", _fp8_lse_routes)):
+    cache_registry.register(f"kernels.attention.{_name}", _cache.clear)
+
+
+def _triton_lse(q, k, v, attn_mask=None, scale=None, is_causal=False):
+    interpreter = not q.is_cuda and _device.interpreter_enabled()
+    upcast = interpreter_upcast(q, k, v, attn_mask) if interpreter else None
+    if upcast is not None:
+        out, lse = _triton_lse(*upcast, scale, is_causal)
+        return out.to(q.dtype), lse
+    rkey = (q.device, q.dtype, q.shape[-1], k.shape[2], k.shape[1] != q.shape[1],
+            None if attn_mask is None else attn_mask.dtype, bool(is_causal), interpreter)
+    route = _lse_routes.get(rkey)
+    if route is None:
+        route = _flash_route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter)
+        _lse_routes[rkey] = route
+    stats.increment("triton_attention.flash_lse")
+    return _at.attention_triton(q, k, v, attn_mask, scale, is_causal, config=route[1], return_lse=True)
+
+
+def fp8_lse_route(q, k, v, attn_mask=None, is_causal=False) -> tuple:
+    """(kernel or None, {refused kernel: why}): fp8_route() over the FP8 kernels that return the LSE."""
+    rkey = (q.device, q.dtype, q.shape[-1], v.shape[-1], k.shape[1] != q.shape[1],
+            None if attn_mask is None else attn_mask.dtype, bool(is_causal), k.shape[2] == 0 or q.shape[2] == 0)
+    found = _fp8_lse_routes.get(rkey)
+    if found is None:
+        info = _device.describe(q.device)
+        capability = info.capability if info.vendor == "nvidia" else None
+        refusals, kernel = {}, None
+        for candidate in fp8_kernel_order(capability, fp8_kernels_available(q.device)):
+            reason = (_fp8_call_refusal(candidate, q, k, v, attn_mask, is_causal)
+                      if candidate in LSE_FP8_KERNELS else NO_LSE)
+            if reason is None:
+                kernel = candidate
+                break
+            refusals[candidate] = reason
+        found = _fp8_lse_routes[rkey] = (kernel, refusals)
+    return found
+
+
+def _fp8_lse_refusal(q, k, v, attn_mask, is_causal) -> str | None:
+    kernel, refusals = fp8_lse_route(q, k, v, attn_mask, is_causal)
+    return None if kernel else "; ".join(f"{name}: {why}" for name, why in refusals.items())
+
+
+def _fp8_lse(q, k, v, attn_mask=None, scale=None, is_causal=False):
+    kernel = fp8_lse_route(q, k, v, attn_mask, is_causal)[0]
+    stats.increment(f"triton_fp8.{kernel}")
+    if kernel == FP8_KERNEL_FULL:
+        return _kernel_module("attention_fp8_full", FP8_FULL_NAMES)[0].attention_fp8_full(
+            q, k, v, None, scale, return_lse=True)
+    return _kernel_module("attention_int8", INT8_NAMES)[0].attention_int8(
+        q, k, v, None, scale, False, pv="fp8", return_lse=True)
+
+
+def _int8_lse(q, k, v, attn_mask=None, scale=None, is_causal=False):
+    mod = _kernel_module("attention_int8", INT8_NAMES)[0]
+    return mod.attention_int8(q, k, v, attn_mask, scale, is_causal, pv="fp16", return_lse=True)
+
+
+def _reference_lse(q, k, v, attn_mask=None, scale=None, is_causal=False):
+    out, lse = attention_ref(q, k, v, attn_mask, scale, is_causal, return_lse=True)
+    return out.to(q.dtype), lse
+
+
+_LSE_FNS = {"triton_attention": _triton_lse, "triton_fp8": _fp8_lse, "triton_int8": _int8_lse,
+            "reference_fp32": _reference_lse}
+_LSE_REFUSALS = {"triton_fp8": _fp8_lse_refusal, "triton_int8": _int8_call_refusal}
+
+
+def _select_lse(q, k, v, attn_mask, is_causal, backend) -> tuple:
+    """(counter name, function returning (out, lse)) for a return_lse call, or raise with the reason."""
+    facts = call_facts(q, k, v, attn_mask, is_causal)
+    if backend in (None, "auto"):
+        flash = registry.get(OP, "triton_attention")
+        why = "not registered" if flash is None else flash.refusal(facts)
+        if why is None:
+            return flash.name, _triton_lse
+        if q.device.type == "cpu":
+            return "reference_fp32", _reference_lse
+        raise NoImplementationError(OP, {"triton_attention": why, "other backends": f"{NO_LSE} in auto"})
+    name = BACKEND_ALIASES.get(backend, backend)
+    registry.select(OP, facts, name=name)  # raises with the reason when it cannot serve the call
+    refusal = _LSE_REFUSALS.get(name)
+    reason = refusal(q, k, v, attn_mask, is_causal) if refusal is not None else None
+    if reason:
+        raise BackendUnavailableError(OP, name, reason)
+    fn = _LSE_FNS.get(name)
+    if fn is not None:
+        return name, fn
+    if q.device.type == "cpu":
+        return name, _reference_lse  # exact out and lse in float32 (tests, CPU runs)
+    raise BackendUnavailableError(OP, name, f"{NO_LSE} on {q.device.type}; backends that can: "
+                                            f"triton, fp8, int8, reference")
+
+
+def _dispatch_lse(q, k, v, attn_mask, scale, is_causal, backend):
+    try:
+        key = ("lse", *_signature(q, k, v, attn_mask, is_causal, backend))
+    except (AttributeError, TypeError):
+        check_attention_inputs(q, k, v, attn_mask, scale)  # raises with the reason
+        raise
+    entry = _decisions.get(key)
+    if entry is None:
+        check_attention_inputs(q, k, v, attn_mask, scale)
+        entry = _select_lse(q, k, v, attn_mask, is_causal, backend)
+        if len(_decisions) > _MAX_DECISIONS:
+            _decisions.clear()
+        _decisions[key] = entry
+    name, fn = entry
+    stats.increment(name)
+    if q.is_cuda and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            out, lse = fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+    else:
+        out, lse = fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+    return (out if fn is _triton_lse else _promised_layout(out, q, v)), lse
+
+
 # ---- dispatch and the custom op -----------------------------------------------------------
 
 def _signature(q, k, v, attn_mask, is_causal, backend):
@@ -485,28 +622,35 @@ def _dispatch(q, k, v, attn_mask, scale, is_causal, backend):
             out = impl.fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
     else:
         out = impl.fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
-    # The fake promises empty_output's shape and layout; keep that promise on every path (the
-    # Triton launchers allocate with empty_like(q) themselves, and serve only v's head dim = q's).
-    if impl.fn is not _triton:
-        if v.shape[-1] == q.shape[-1]:
-            same = out.stride() == torch.empty_like(q, device="meta").stride()
-        else:
-            want = empty_output(q, v, device="meta")
-            same = out.shape == want.shape and out.stride() == want.stride()
-        if not same:
-            fixed = empty_output(q, v)
-            fixed.copy_(out)
-            out = fixed
-    return out
+    # The Triton launchers allocate with empty_like(q) themselves (and serve only v's head dim = q's).
+    return out if impl.fn is _triton else _promised_layout(out, q, v)
+
+
+def _promised_layout(out, q, v):
+    """`out`, or a copy of it, laid out as empty_output(q, v): the fakes promise that on every path."""
+    if v.shape[-1] == q.shape[-1]:
+        same = out.stride() == torch.empty_like(q, device="meta").stride()
+    else:
+        want = empty_output(q, v, device="meta")
+        same = out.shape == want.shape and out.stride() == want.stride()
+    if same:
+        return out
+    fixed = empty_output(q, v)
+    fixed.copy_(out)
+    return fixed
 
 
 def _shared_dispatch(q, k, v, attn_mask, scale, is_causal, backend):
     return stats.shared().dispatch(q, k, v, attn_mask, scale, is_causal, backend)
 
 
-def _op_registered() -> bool:
+def _shared_dispatch_lse(q, k, v, attn_mask, scale, is_causal, backend):
+    return stats.shared().dispatch_lse(q, k, v, attn_mask, scale, is_causal, backend)
+
+
+def _op_registered(name: str = "attention") -> bool:
     try:
-        getattr(torch.ops.triton_accel, "attention")
+        getattr(torch.ops.triton_accel, name)
     except (AttributeError, RuntimeError):
         return False
     return True
@@ -532,7 +676,49 @@ def _backward(ctx, grad_out):
     return gq, gk, gv, gm, None, None, None
 
 
+def _backward_lse(ctx, grad_out, grad_lse):
+    """The attention_lse op's gradients, recomputed in float32 like _backward's; the logsumexp's
+    gradient is the softmax, zero for fully masked rows (their lse is -inf)."""
+    saved = ctx.saved_tensors  # q, k, v, attn_mask
+    wants = [bool(w) and t is not None for t, w in zip(saved, ctx.needs_input_grad[:4], strict=True)]
+    leaves = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(saved, wants, strict=True)]
+    with torch.enable_grad():
+        out, lse = attention_ref(*leaves, ctx.scale, ctx.is_causal, return_lse=True)
+        outputs, grads_in = [], []
+        if grad_out is not None:
+            outputs.append(out)
+            grads_in.append(grad_out.float())
+        if grad_lse is not None:
+            outputs.append(lse)
+            grads_in.append(torch.where(torch.isneginf(lse), 0.0, grad_lse.float()))
+        needed = [t for t, w in zip(leaves, wants, strict=True) if w]
+        grads = iter(torch.autograd.grad(outputs, needed, grads_in, allow_unused=True))
+    gq, gk, gv, gm = (next(grads) if w else None for w in wants)
+    return gq, gk, gv, gm, None, None, None
+
+
+def _register_lse_op() -> None:
+    state = stats.shared()
+    if getattr(state, "dispatch_lse", None) is None:
+        state.dispatch_lse = _dispatch_lse
+    if _op_registered("attention_lse"):
+        return  # another copy of the pack registered it in this process
+
+    @torch.library.custom_op(OP_LSE_QUALNAME, mutates_args=())
+    def attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                         scale: Optional[float], is_causal: bool,
+                         backend: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+        return _shared_dispatch_lse(q, k, v, attn_mask, scale, is_causal, backend)
+
+    @attention_lse_op.register_fake
+    def _(q, k, v, attn_mask, scale, is_causal, backend):
+        return empty_output(q, v), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    attention_lse_op.register_autograd(_backward_lse, setup_context=_setup_backward)
+
+
 def _register_op() -> None:
+    _register_lse_op()
     state = stats.shared()
     if state.dispatch is None:
         state.dispatch = _dispatch
@@ -564,8 +750,10 @@ def backend_of_precision(precision: str, backend=None):
     return name
 
 
-def attention(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None, precision=None):
-    """softmax(q k^T * scale + mask) v for [B, H, L, D] tensors; see the module docstring."""
+def attention(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None, precision=None,
+              return_lse=False):
+    """softmax(q k^T * scale + mask) v for [B, H, L, D] tensors; with return_lse, (out, lse) with
+    lse float32 [B, H, Lq] (-inf for fully masked rows, whose out is 0). See the module docstring."""
     if precision is not None:
         backend = backend_of_precision(precision, backend)
     if scale is not None and (type(scale) is not float or not math.isfinite(scale)):
@@ -577,11 +765,16 @@ def attention(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None
     if wants_grad or torch.compiler.is_compiling():
         # Through the op: torch.compile traces it, autograd records its backward.
         check_attention_inputs(q, k, v, attn_mask)
+        if return_lse:
+            out, lse = torch.ops.triton_accel.attention_lse(q, k, v, attn_mask, scale, bool(is_causal), backend)
+            return out, lse
         return torch.ops.triton_accel.attention(q, k, v, attn_mask, scale, bool(is_causal), backend)
+    if return_lse:
+        return _shared_dispatch_lse(q, k, v, attn_mask, scale, bool(is_causal), backend)
     # Eager calls without grad skip the dispatcher round trip of the custom op (tens of microseconds).
     return _shared_dispatch(q, k, v, attn_mask, scale, bool(is_causal), backend)
 
 
 __all__ = ["attention", "attention_support", "call_facts", "clear_caches", "empty_output", "backend_of_precision",
            "fp8_route", "fp8_kernels_available", "fp8_kernel_refusals", "int8_implementation",
-           "AttentionInputError", "BackendUnavailableError", "OP_QUALNAME"]
+           "fp8_lse_route", "AttentionInputError", "BackendUnavailableError", "OP_QUALNAME", "OP_LSE_QUALNAME"]

@@ -470,13 +470,13 @@ def _run(q, k, v, attn_mask, scale, is_causal, config):
 # ---- registration (kernels/attention.py registers it; these keep the facts in one place) ----
 
 def registry_constraints():
-    """What the kernel serves, as the registry's Constraints: NVIDIA GPUs with FP8 tensor cores
-    (gpu_rules.capability_refusal decides which; CPU only through the interpreter, for tests),
+    """What the kernel serves, as the registry's Constraints: NVIDIA and AMD GPUs with FP8 (OCP
+    e4m3) tensor cores (gpu_rules.capability_refusal decides which; CPU only through the interpreter, for tests),
     fp16/bf16, head dims 1..256, every mask kind, GQA, causal."""
     from .registry import Constraints
 
     return Constraints(
-        device_types=frozenset({"cuda", "cpu"}), vendors=frozenset({"nvidia", "cpu"}),
+        device_types=frozenset({"cuda", "cpu"}), vendors=frozenset({"nvidia", "amd", "cpu"}),
         cpu_needs_interpreter=True, fp8=True, dtypes=FP8_DTYPES, head_dims=(1, 256))
 
 

@@ -107,11 +107,11 @@ if triton is not None:
 
     @triton.jit
     def _attn_fp8_full_fwd(
-        Q8, SQ, QS, K8, SK, KS, VT8, SV, VMEAN, O,
+        Q8, SQ, QS, K8, SK, KS, VT8, SV, VMEAN, O, LSE,
         stride_ob, stride_oh, stride_om, stride_od,
         H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        N_OUT: tl.constexpr, EXACT_CAST: tl.constexpr, TWO_LEVEL: tl.constexpr,
+        N_OUT: tl.constexpr, EXACT_CAST: tl.constexpr, TWO_LEVEL: tl.constexpr, RETURN_LSE: tl.constexpr,
     ):
         start_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -155,6 +155,11 @@ if triton is not None:
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM))
         else:
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < LQ)
+        if RETURN_LSE:
+            # log2 units with p scaled by 2**LOG2_P_SCALE, so log2(l) carries that shift. The
+            # scores are those of K minus its mean: the launcher adds scale * q.mean_k back.
+            lse2 = m_i + tl.math.log2(l_i) - 8.8073
+            tl.store(LSE + bh64 * LQ + offs_m, lse2 * 0.6931471805599453, mask=offs_m < LQ)
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -193,11 +198,13 @@ def default_config(device: torch.device) -> dict:
 # ---- launch -------------------------------------------------------------------------------
 
 def attention_fp8_full(q, k, v, attn_mask=None, scale=None, is_causal=False, config=None,
-                       n_outlier: int = N_OUTLIER):
+                       n_outlier: int = N_OUTLIER, return_lse: bool = False):
     """softmax(q k^T * scale) v with Q.K^T and P.V in float8 e4m3, quantisation included;
     [B, H, L, D] fp16/bf16 tensors (any strides), output in q's dtype laid out like
-    torch.empty_like(q). Raises FP8FullUnsupportedError for masks, causal, GQA, head dims
-    over 128, other dtypes, and devices below sm_89."""
+    torch.empty_like(q); with return_lse, (out, lse): lse float32 [B, H, Lq], the natural-log
+    logsumexp of each row's scaled scores (as the quantized kernel saw them). Raises
+    FP8FullUnsupportedError for masks, causal, GQA, head dims over 128, other dtypes, and
+    devices below sm_89."""
     reason = call_refusal(q, k, v, attn_mask, is_causal) or device_refusal(q.device)
     if reason:
         raise FP8FullUnsupportedError(f"attention_fp8_full: {reason}")
@@ -205,24 +212,40 @@ def attention_fp8_full(q, k, v, attn_mask=None, scale=None, is_causal=False, con
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     interpreter = q.device.type == "cpu"
     qkv = quantize_qkv(q, k, v, scale, config["BLOCK_M"], config["BLOCK_N"], n_outlier, exact_cast=interpreter)
-    return attention_fp8_full_quantized(qkv, q.shape, k.shape[2], q.dtype, q.device, config)
+    if not return_lse:
+        return attention_fp8_full_quantized(qkv, q.shape, k.shape[2], q.dtype, q.device, config)
+    out, lse = attention_fp8_full_quantized(qkv, q.shape, k.shape[2], q.dtype, q.device, config, return_lse=True)
+    return out, lse.add_(key_mean_shift(q, k, scale))
 
 
-def attention_fp8_full_quantized(qkv, q_shape, lk: int, dtype, device, config):
-    """The attention kernel alone, on quantize_qkv's output (benchmarks time it separately)."""
+def key_mean_shift(q, k, scale: float) -> torch.Tensor:
+    """scale * q.mean_k per query row, float32 [B, H, Lq]: what the quantisers' K smoothing
+    (K minus its mean over the sequence) took out of every score of the row. The softmax does
+    not see it, but a logsumexp merged with other key sets' must have it back: each set has
+    its own mean. GQA: query head h reads KV head h // (H // HK)."""
+    k_mean = k.mean(dim=2, dtype=torch.float32)  # [B, HK, D]
+    if k.shape[1] != q.shape[1]:
+        k_mean = k_mean.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return torch.matmul(q.float(), k_mean.unsqueeze(-1)).squeeze(-1) * scale
+
+
+def attention_fp8_full_quantized(qkv, q_shape, lk: int, dtype, device, config, return_lse: bool = False):
+    """The attention kernel alone, on quantize_qkv's output (benchmarks time it separately).
+    With return_lse, (out, lse of the smoothed scores): key_mean_shift() makes it the real one."""
     B, H, Lq, D = q_shape
     out = torch.empty(B, H, Lq, D, dtype=dtype, device=device)
+    lse = torch.empty(B, H, Lq, dtype=torch.float32, device=device) if return_lse else None
     if out.numel() == 0:
-        return out
+        return (out, lse) if return_lse else out
     bh, lq_pad, block_d = qkv.q8.shape
     grid = (qkv.sq.shape[1], bh)
     _attn_fp8_full_fwd[grid](
-        qkv.q8, qkv.sq, qkv.qs, qkv.k8, qkv.sk, qkv.ks, qkv.vt8, qkv.sv, qkv.vmean, out,
+        qkv.q8, qkv.sq, qkv.qs, qkv.k8, qkv.sk, qkv.ks, qkv.vt8, qkv.sv, qkv.vmean, out, lse,
         *out.stride(), H, Lq, lk, lq_pad, qkv.k8.shape[1], qkv.sq.shape[1], qkv.sk.shape[1],
         HEAD_DIM=D, BLOCK_M=qkv.block_m, BLOCK_N=qkv.block_n, BLOCK_D=block_d, N_OUT=qkv.n_outlier,
-        EXACT_CAST=device.type == "cpu", TWO_LEVEL=config.get("TWO_LEVEL", True),
+        EXACT_CAST=device.type == "cpu", TWO_LEVEL=config.get("TWO_LEVEL", True), RETURN_LSE=return_lse,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
-    return out
+    return (out, lse) if return_lse else out
 
 
 # ---- registration facts (kernels/attention.py would register it; not wired yet) -----------
@@ -234,7 +257,7 @@ def registry_constraints():
     from .registry import Constraints
 
     return Constraints(
-        device_types=frozenset({"cuda", "cpu"}), vendors=frozenset({"nvidia", "cpu"}),
+        device_types=frozenset({"cuda", "cpu"}), vendors=frozenset({"nvidia", "amd", "cpu"}),
         cpu_needs_interpreter=True, min_capability=min_capability_for(_device.triton_version()), fp8=True,
         dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=(1, MAX_HEAD_DIM),
         masks=frozenset({"none"}), gqa=False, causal=False)
@@ -296,14 +319,14 @@ def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OU
     specialised as launches on contiguous [B, H, L, D] tensors specialise them."""
     from .attention_fp8_quant import compile_specs as quant_specs
 
-    names = ["Q8", "SQ", "QS", "K8", "SK", "KS", "VT8", "SV", "VMEAN", "O",
+    names = ["Q8", "SQ", "QS", "K8", "SK", "KS", "VT8", "SV", "VMEAN", "O", "LSE",
              "stride_ob", "stride_oh", "stride_om", "stride_od", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB"]
     types = dict(O=f"*{dtype}", **{n: "*fp8e4nv" for n in ("Q8", "QS", "K8", "KS", "VT8")},
                  **{n: "*fp32" for n in ("SQ", "SK", "SV", "VMEAN")})
     sig = {n: types.get(n, "i32") for n in names}
-    const = dict(stride_od=1, HEAD_DIM=head_dim, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+    const = dict(LSE=None, stride_od=1, HEAD_DIM=head_dim, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
                  BLOCK_D=padded_head_dim(head_dim), N_OUT=n_outlier, EXACT_CAST=False,
-                 TWO_LEVEL=config.get("TWO_LEVEL", True))
+                 TWO_LEVEL=config.get("TWO_LEVEL", True), RETURN_LSE=False)
     for n in const:
         sig[n] = "constexpr"
     order = list(sig)
@@ -314,6 +337,7 @@ def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OU
         ("_attn_fp8_full_fwd", _attn_fp8_full_fwd, sig, const, attrs, config["num_warps"])]
 
 
-__all__ = ["attention_fp8_full", "accuracy_inputs", "compile_specs", "attention_fp8_full_quantized", "attention_fp8_full_ref",
+__all__ = ["attention_fp8_full", "accuracy_inputs", "key_mean_shift", "compile_specs", "attention_fp8_full_quantized",
+           "attention_fp8_full_ref",
            "attention_fp8_per_tensor", "call_refusal", "device_refusal", "registry_constraints",
            "FP8FullUnsupportedError", "FP8_FULL_CONFIGS", "MAX_HEAD_DIM", "LOG2E", "padded_head_dim"]

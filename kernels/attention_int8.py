@@ -45,11 +45,12 @@ except Exception:  # the registry reports why; importing the pack must still wor
 
 from . import device as _device
 from .attention_checks import half_precision_refusal
-from .attention_fp8_full import accuracy_inputs
+from .attention_fp8_full import accuracy_inputs, key_mean_shift
 from .attention_fp8_quant import padded_head_dim
 from .attention_int8_quant import QuantizedInt8, quantize_qkv_int8
 from .attention_ref import attention_ref
-from .gpu_rules import capability_refusal, min_capability_for, nvidia_gpu_blocker, version_tuple
+from .gpu_rules import (amd_arch_blocker, amd_int8_refusal, capability_refusal, min_capability_for,
+                        nvidia_gpu_blocker, version_tuple)
 from .kernel_common import arch_family, family_in
 
 if triton is not None:
@@ -133,11 +134,11 @@ if triton is not None:
 
     @triton.jit
     def _attn_int8_fwd(
-        Q8, SQ, K8, SK, V, SV, VMEAN, O,
+        Q8, SQ, K8, SK, V, SV, VMEAN, O, LSE,
         stride_ob, stride_oh, stride_om, stride_od,
         H, G, LQ, LK, LQ_PAD, LK_PAD, NKB, v_dequant,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        PV_FP8: tl.constexpr, EXACT_CAST: tl.constexpr,
+        PV_FP8: tl.constexpr, EXACT_CAST: tl.constexpr, RETURN_LSE: tl.constexpr,
     ):
         start_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -175,6 +176,13 @@ if triton is not None:
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM))
         else:
             tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < LQ)
+        if RETURN_LSE:
+            # log2 units; the fp8 P.V scaled p (and so l) by 2**LOG2_P_SCALE. The scores are
+            # those of K minus its mean: the launcher adds scale * q.mean_k back.
+            lse2 = m_i + tl.math.log2(l_i)
+            if PV_FP8:
+                lse2 = lse2 - 8.8073
+            tl.store(LSE + bh64 * LQ + offs_m, lse2 * 0.6931471805599453, mask=offs_m < LQ)
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -215,8 +223,15 @@ def device_refusal(device: torch.device, pv: str = "fp16") -> str | None:
     if device.type == "cpu":
         return None if _device.interpreter_enabled() else f"{what} on CPU tensors needs TRITON_INTERPRET=1 (tests only)"
     info = _device.describe(device)
+    if info.vendor == "amd":
+        # i8 MFMA (CDNA) / iu8 WMMA (RDNA3/4); AMD's FP8 dots accumulate in FP32 only, so the
+        # FP16-accumulating FP8 P.V this variant exists for has no AMD form.
+        rule = amd_arch_blocker(info.arch, info.name) or amd_int8_refusal(info.arch, info.name)
+        if rule is None and pv == "fp8":
+            return f"{what}: AMD matrix cores accumulate FP8 in FP32 only (no FP16-accumulating P.V)"
+        return f"{what}: {rule.reason}" if rule is not None else None
     if info.vendor != "nvidia":
-        return f"{what} supports NVIDIA GPUs only; {info.name} is {info.arch}"
+        return f"{what} supports NVIDIA and AMD GPUs only; {info.name} is {info.arch}"
     version = _device.triton_version()
     rule = (nvidia_gpu_blocker(info.name, info.capability, version)
             or capability_refusal(info.vendor, info.capability, info.name, fp8=pv == "fp8"))
@@ -245,41 +260,51 @@ def config_for(base: dict, head_dim: int) -> dict:
 # ---- launch -------------------------------------------------------------------------------
 
 def attention_int8(q, k, v, attn_mask=None, scale=None, is_causal=False, pv: str = "fp16", config=None,
-                   balance: bool = True):
+                   balance: bool = True, return_lse: bool = False):
     """softmax(q k^T * scale) v with Q.K^T in INT8 and P.V in fp16 (pv="fp16") or e4m3
     (pv="fp8", sm_89+), both accumulated in FP16 per key tile and FP32 across tiles;
     quantisation included. q [B, H, Lq, D], k/v [B, HK, Lk, D] with HK dividing H (GQA),
     fp16/bf16, any strides; output in q's dtype laid out like torch.empty_like(q). Raises
     Int8AttentionUnsupportedError for masks, causal, head dims over 128, other dtypes and
     devices that cannot run it (device_refusal). balance=False skips the Q/K channel
-    balancing (attention_int8_quant; for tests and benchmarks)."""
+    balancing (attention_int8_quant; for tests and benchmarks). return_lse: (out, lse), lse float32
+    [B, H, Lq] the natural-log logsumexp of each row's scaled scores (as the kernel saw them)."""
     reason = call_refusal(q, k, v, attn_mask, is_causal) or device_refusal(q.device, pv)
     if reason:
         raise Int8AttentionUnsupportedError(f"attention_int8: {reason}")
     if q.numel() == 0:  # nothing to quantise or launch
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return (out, torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)) if return_lse else out
     config = config or default_config(q.device, q.shape[-1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     qkv = quantize_qkv_int8(q, k, v, scale, config["BLOCK_M"], config["BLOCK_N"], pv,
                             v_range(pv, config["BLOCK_N"]), balance=balance, exact_cast=q.device.type == "cpu")
-    return attention_int8_quantized(qkv, q.shape, k.shape[1], k.shape[2], q.dtype, q.device, config)
+    if not return_lse:
+        return attention_int8_quantized(qkv, q.shape, k.shape[1], k.shape[2], q.dtype, q.device, config)
+    out, lse = attention_int8_quantized(qkv, q.shape, k.shape[1], k.shape[2], q.dtype, q.device, config,
+                                        return_lse=True)
+    return out, lse.add_(key_mean_shift(q, k, scale))
 
 
-def attention_int8_quantized(qkv: QuantizedInt8, q_shape, kv_heads: int, lk: int, dtype, device, config):
-    """The attention kernel alone, on quantize_qkv_int8's output (benchmarks time it separately)."""
+def attention_int8_quantized(qkv: QuantizedInt8, q_shape, kv_heads: int, lk: int, dtype, device, config,
+                             return_lse: bool = False):
+    """The attention kernel alone, on quantize_qkv_int8's output (benchmarks time it separately).
+    With return_lse, (out, lse of the smoothed scores): key_mean_shift() makes it the real one."""
     B, H, Lq, D = q_shape
     out = torch.empty(B, H, Lq, D, dtype=dtype, device=device)
+    lse = torch.empty(B, H, Lq, dtype=torch.float32, device=device) if return_lse else None
     if out.numel() == 0:
-        return out
+        return (out, lse) if return_lse else out
     bh, lq_pad, block_d = qkv.q8.shape
     lk_pad = qkv.k8.shape[1]
     grid = (lq_pad // qkv.block_m, bh)
     _attn_int8_fwd[grid](
-        qkv.q8, qkv.sq, qkv.k8, qkv.sk, qkv.v, qkv.sv448, qkv.vmean, out,
+        qkv.q8, qkv.sq, qkv.k8, qkv.sk, qkv.v, qkv.sv448, qkv.vmean, out, lse,
         *out.stride(), H, H // kv_heads, Lq, lk, lq_pad, lk_pad, qkv.sk.shape[1], 448.0 / qkv.v_range,
         HEAD_DIM=D, BLOCK_M=qkv.block_m, BLOCK_N=qkv.block_n, BLOCK_D=block_d, PV_FP8=qkv.pv == "fp8",
-        EXACT_CAST=device.type == "cpu", num_warps=config["num_warps"], num_stages=config["num_stages"])
-    return out
+        EXACT_CAST=device.type == "cpu", RETURN_LSE=return_lse,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return (out, lse) if return_lse else out
 
 
 # ---- registration facts (kernels/attention.py registers it as "triton_int8") --------------
@@ -292,7 +317,7 @@ def registry_constraints(pv: str = "fp16"):
     from .registry import Constraints
 
     return Constraints(
-        device_types=frozenset({"cuda", "cpu"}), vendors=frozenset({"nvidia", "cpu"}),
+        device_types=frozenset({"cuda", "cpu"}), vendors=frozenset({"nvidia", "amd", "cpu"}),
         cpu_needs_interpreter=True, min_capability=min_capability_for(_device.triton_version()), fp8=pv == "fp8",
         dtypes=frozenset({torch.float16, torch.bfloat16}), head_dims=(1, MAX_HEAD_DIM),
         masks=frozenset({"none"}), gqa=True, causal=False)
@@ -328,13 +353,13 @@ def compile_specs(dtype: str, head_dim: int, config: dict, pv: str = "fp16"):
     specialised as launches on contiguous [B, H, L, D] tensors specialise them."""
     from .attention_int8_quant import compile_specs as quant_specs
 
-    names = ["Q8", "SQ", "K8", "SK", "V", "SV", "VMEAN", "O", "stride_ob", "stride_oh", "stride_om", "stride_od",
+    names = ["Q8", "SQ", "K8", "SK", "V", "SV", "VMEAN", "O", "LSE", "stride_ob", "stride_oh", "stride_om", "stride_od",
              "H", "G", "LQ", "LK", "LQ_PAD", "LK_PAD", "NKB", "v_dequant"]
     types = dict(O=f"*{dtype}", Q8="*i8", K8="*i8", V="*fp8e4nv" if pv == "fp8" else "*fp16", v_dequant="fp32",
                  **{n: "*fp32" for n in ("SQ", "SK", "SV", "VMEAN")})
     sig = {n: types.get(n, "i32") for n in names}
-    const = dict(stride_od=1, HEAD_DIM=head_dim, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-                 BLOCK_D=padded_head_dim(head_dim), PV_FP8=pv == "fp8", EXACT_CAST=False)
+    const = dict(LSE=None, stride_od=1, HEAD_DIM=head_dim, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+                 BLOCK_D=padded_head_dim(head_dim), PV_FP8=pv == "fp8", EXACT_CAST=False, RETURN_LSE=False)
     for n in const:
         sig[n] = "constexpr"
     order = list(sig)

@@ -3,7 +3,9 @@
 Materialises the full score matrix, so it is for tests, small shapes and the op's backward
 (it is differentiable, masks included). Fully masked query rows give zeros, the behaviour
 PyTorch SDPA has (checked on torch 2.13) and the one our kernel implements. The fuzz tests
-run it in float64 (`compute_dtype`).
+run it in float64 (`compute_dtype`). return_lse=True also gives the natural-log logsumexp of
+each row's scaled, masked scores ([B, H, Lq], compute_dtype; -inf for a fully masked row),
+the exact answer the kernels' LSE is tested against.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 
 def attention_ref(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=None, *,
-                  compute_dtype=torch.float32):
+                  compute_dtype=torch.float32, return_lse=False):
     del backend  # same signature as kernels.attention; the reference has one path
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -37,4 +39,8 @@ def attention_ref(q, k, v, attn_mask=None, scale=None, is_causal=False, backend=
     p = torch.exp(s - torch.where(dead, torch.zeros_like(row_max), row_max))
     denom = p.sum(dim=-1, keepdim=True)
     out = torch.matmul(p / torch.where(denom == 0, torch.ones_like(denom), denom), vf)
+    if return_lse:
+        # log(denom) is -inf exactly where the row is fully masked (denom = 0).
+        lse = (torch.where(dead, torch.zeros_like(row_max), row_max) + torch.log(denom)).squeeze(-1)
+        return out, lse
     return out

@@ -213,7 +213,7 @@ if triton is not None:
 
     @triton.jit
     def _attn_fwd(
-        Q, K, V, O, Mk, Kd, Vd,
+        Q, K, V, O, Mk, Kd, Vd, Lse,
         qk_scale,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
@@ -226,7 +226,7 @@ if triton is not None:
         MASK_KIND: tl.constexpr, MASK_ROW_BCAST: tl.constexpr, IS_CAUSAL: tl.constexpr,
         USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
         ALIGN: tl.constexpr, LAZY_RESCALE: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
-        WHILE_LOOP: tl.constexpr,
+        WHILE_LOOP: tl.constexpr, RETURN_LSE: tl.constexpr,
     ):
         start_m = tl.program_id(0)
         off_bh = tl.program_id(1)
@@ -314,6 +314,14 @@ if triton is not None:
             tl.store(O + ro + offs_d[None, :] * stride_od, out, mask=o_rows & (offs_d[None, :] < HEAD_DIM))
         else:
             tl.store(O + ro + offs_d[None, :] * stride_od, out, mask=o_rows)
+        if RETURN_LSE:
+            # m and l live in log2 units (the scores were scaled by scale*log2(e) for exp2), and
+            # l is the sum of exp2(s - m) with the same (possibly lazily stale) m, so
+            # (m + log2 l) * ln 2 is the natural-log logsumexp of the scaled scores. Rows with
+            # every key masked (l = 0) get -inf, which merges as a zero weight.
+            lse = tl.where(l_i == 0.0, float("-inf"),
+                           (m_i + tl.math.log2(tl.where(l_i == 0.0, 1.0, l_i))) * 0.6931471805599453)
+            tl.store(Lse + off_bh.to(tl.int64) * LQ + offs_m, lse, mask=offs_m < LQ)
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -356,27 +364,31 @@ _fitted: dict = {}  # (config, static launch facts) -> config that fits this GPU
 cache_registry.register("kernels.attention_triton.fitted", _fitted.clear)
 
 
-def attention_triton(q, k, v, attn_mask=None, scale=None, is_causal=False, config=None):
+def attention_triton(q, k, v, attn_mask=None, scale=None, is_causal=False, config=None, return_lse=False):
     """Launch the kernel. Inputs are [B, H, L, D] with any strides; k/v may have fewer heads.
 
     The caller (kernels.attention) has checked the inputs (attention_checks.py); this checks
-    only what the kernel itself needs. Returns a tensor laid out like torch.empty_like(q).
+    only what the kernel itself needs. Returns a tensor laid out like torch.empty_like(q);
+    with return_lse, (out, lse): lse float32 [B, H, Lq], the natural-log logsumexp of each
+    query row's scaled, masked scores (-inf for a row whose keys are all masked).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
+    lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device) if return_lse else None
     if Lq == 0 or B == 0 or H == 0:
-        return out
-    if Lk == 0:
-        return out.zero_()  # nothing to attend to: the fully-masked answer
+        return (out, lse) if return_lse else out
+    if Lk == 0:  # nothing to attend to: the fully-masked answer
+        return (out.zero_(), lse.fill_(float("-inf"))) if return_lse else out.zero_()
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     mask_kind, mk, mstr, row_bcast = mask_layout(attn_mask, B, H, Lq, Lk, q)
     negative = scale < 0
 
     plan_key = None
-    if direct_launch.usable(q):
+    # LSE calls take the JIT launch: the direct-launch plans serve the default variant only.
+    if not return_lse and direct_launch.usable(q):
         # Everything the JIT specialises on (shapes, strides, dtypes, 16-byte alignment of the
         # pointers, the scale's sign) plus the config: same key, same compiled kernel and grid.
         plan_key = ("attn", q.device, q.dtype, q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(),
@@ -417,10 +429,10 @@ def attention_triton(q, k, v, attn_mask=None, scale=None, is_causal=False, confi
             fixed, BLOCK_M=block_m, BLOCK_N=block_n,
             USE_TMA=use_tma, DOT_PRECISION=dot_precision, WARP_SPEC=bool(c.get("WS")) and not interpreter,
             ALIGN=align, LAZY_RESCALE=bool(c.get("LAZY")), NEGATIVE_SCALE=negative,
-            WHILE_LOOP=interpreter,
+            WHILE_LOOP=interpreter, RETURN_LSE=return_lse,
         )
         kernel = _attn_fwd[grid](
-            q, k, v, dst, mk, kd, vd,
+            q, k, v, dst, mk, kd, vd, lse,
             scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *dst.stride(), *mstr,
             H, Hkv, Lq, Lk,
@@ -447,7 +459,7 @@ def attention_triton(q, k, v, attn_mask=None, scale=None, is_causal=False, confi
     if plan_key is not None and not used_tma and not interpreter:
         direct_launch.record(plan_key, kernel, grid, consts,
                              _runtime_args(q, k, v, out, mk, scale, mstr, H, Hkv, Lq, Lk), out_index=3)
-    return out
+    return (out, lse) if return_lse else out
 
 
 # _attn_fwd's constexprs in signature order, read from the kernel itself: the direct launch
@@ -458,20 +470,22 @@ _CONSTEXPR_ORDER = tuple(
 
 
 def _runtime_args(q, k, v, out, mk, scale, mstr, H, Hkv, Lq, Lk):
-    """_attn_fwd's non-constexpr arguments in signature order (the descriptors are None)."""
-    return (q, k, v, out, mk, None, None, scale * LOG2E,
+    """_attn_fwd's non-constexpr arguments in signature order (the descriptors and Lse are None)."""
+    return (q, k, v, out, mk, None, None, None, scale * LOG2E,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *mstr, H, Hkv, Lq, Lk)
 
 
 def compile_spec(dtype: str, head_dim: int, config: dict, mask_kind: int = 0, is_causal: bool = False,
-                 group: int = 1, hip: bool = False, mask_row_bcast: bool = False, negative_scale: bool = False):
+                 group: int = 1, hip: bool = False, mask_row_bcast: bool = False, negative_scale: bool = False,
+                 return_lse: bool = False):
     """(kernel, signature, constexprs, attrs) for triton.compile(ASTSource(...)): the compile tests
     build every shipped config for every target without a GPU."""
     block_d = next_pow2(head_dim)
     ptr = f"*{dtype}"
     sig = {"Q": ptr, "K": ptr, "V": ptr, "O": ptr,
            "Mk": "*u8" if mask_kind == 1 else ("*fp32" if mask_kind == 2 else ptr),
-           "Kd": "constexpr", "Vd": "constexpr", "qk_scale": "fp32"}
+           "Kd": "constexpr", "Vd": "constexpr", "Lse": "*fp32" if return_lse else "constexpr",
+           "qk_scale": "fp32"}
     names = ["stride_qb", "stride_qh", "stride_qm", "stride_qd",
              "stride_kb", "stride_kh", "stride_kn", "stride_kd",
              "stride_vb", "stride_vh", "stride_vn", "stride_vd",
@@ -490,8 +504,10 @@ def compile_spec(dtype: str, head_dim: int, config: dict, mask_kind: int = 0, is
         MASK_KIND=mask_kind, MASK_ROW_BCAST=mask_row_bcast, IS_CAUSAL=is_causal,
         USE_TMA=False, DOT_PRECISION=dot_input_precision(dtype == "fp32", hip), WARP_SPEC=bool(config.get("WS")),
         ALIGN=8 if dtype != "fp32" else 4, LAZY_RESCALE=bool(config.get("LAZY")), NEGATIVE_SCALE=negative_scale,
-        WHILE_LOOP=False,
+        WHILE_LOOP=False, RETURN_LSE=return_lse,
     )
+    if not return_lse:
+        constexprs["Lse"] = None
     constexprs.update(unit)
     for k_ in constexprs:
         sig[k_] = "constexpr"

@@ -200,17 +200,22 @@ if triton is not None:
 
 def fp8_device_refusal(device: torch.device, what: str) -> str | None:
     """Why an FP8 kernel (`what`: "FP8 attention", "FP8 Linear") cannot run on this device, or
-    None. CPU tensors only through the interpreter (tests). The capability rule is gpu_rules';
-    AMD is refused because its FP8 is another e4m3 flavour (fnuz) our kernels do not emit."""
+    None. CPU tensors only through the interpreter (tests). The capability rules are gpu_rules':
+    on AMD only gfx families whose matrix cores take OCP e4m3 (gfx950, gfx12); gfx942's FP8 is
+    the fnuz flavour our kernels do not emit, gfx11 has no FP8 dot."""
     from . import device as _device
-    from .gpu_rules import capability_refusal
+    from .gpu_rules import amd_arch_blocker, amd_fp8_refusal, capability_refusal
 
     if triton is None:
         return f"{what} needs Triton: {_device.triton_import_error()}"
     if device.type == "cpu":
         return None if _device.interpreter_enabled() else f"{what} on CPU tensors needs TRITON_INTERPRET=1 (tests only)"
     info = _device.describe(device)
+    if info.vendor == "amd":
+        rule = amd_arch_blocker(info.arch, info.name) or amd_fp8_refusal(info.arch, info.name,
+                                                                         _device.triton_version())
+        return f"{what}: {rule.reason}" if rule is not None else None
     if info.vendor != "nvidia":
-        return f"{what} supports NVIDIA GPUs only; {info.name} is {info.arch}"
+        return f"{what} supports NVIDIA and AMD GPUs only; {info.name} is {info.arch}"
     rule = capability_refusal(info.vendor, info.capability, info.name, fp8=True)
     return rule.reason if rule is not None else None

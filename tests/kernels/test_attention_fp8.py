@@ -263,11 +263,16 @@ def test_launcher_refuses_old_gpus(monkeypatch, cap, name):
     assert isinstance(e.value, registry_mod.BackendUnavailableError) and e.value.backend == "triton_fp8"
 
 
-def test_launcher_refuses_amd(monkeypatch):
-    info = device_mod.DeviceInfo("cuda", "amd", "AMD Instinct MI300X", (9, 4), "gfx942")
+def test_launcher_refuses_amd_without_ocp_fp8(monkeypatch):
+    """gfx942's FP8 is fnuz (not our e4m3fn), RDNA3 has none; RDNA4 takes OCP e4m3 (gpu_rules)."""
+    for arch, match in (("gfx942", "fnuz"), ("gfx1100", "RDNA3 has no FP8")):
+        info = device_mod.DeviceInfo("cuda", "amd", "AMD GPU", (9, 4), arch)
+        monkeypatch.setattr(fp8._device, "describe", lambda device=None, info=info: info)
+        with pytest.raises(fp8.FP8UnsupportedError, match=match):
+            fp8._check_device(torch.device("cuda", 0))
+    info = device_mod.DeviceInfo("cuda", "amd", "AMD Radeon RX 9070 XT", (12, 0), "gfx1201")
     monkeypatch.setattr(fp8._device, "describe", lambda device=None: info)
-    with pytest.raises(fp8.FP8UnsupportedError, match="NVIDIA GPUs only"):
-        fp8._check_device(torch.device("cuda", 0))
+    assert fp8._check_device(torch.device("cuda", 0)) is False
 
 
 def test_cpu_without_interpreter_is_refused(monkeypatch):
@@ -302,7 +307,9 @@ def test_registry_constraints():
     assert c.check(_call(ada, torch.bfloat16, 256)) is None
     assert c.check(_call(cpu)) is None  # interpreter on (conftest)
     assert c.check(_call(ampere)) == "FP8 tensor cores need sm_89+ (NVIDIA GeForce RTX 3090 is sm_86)"
-    assert "vendor" in c.check(_call(amd))
+    assert "fnuz" in c.check(_call(amd))
+    rdna4 = device_mod.DeviceInfo("cuda", "amd", "AMD Radeon RX 9070 XT", (12, 0), "gfx1201")
+    assert c.check(_call(rdna4)) is None
     assert "dtype" in c.check(_call(ada, torch.float32))
     assert "head dim" in c.check(_call(ada, head_dim=257))
 

@@ -286,7 +286,10 @@ def test_device_refusal(monkeypatch, cc, triton_version, pv, refusal):
 def test_device_refusal_amd_and_cpu_without_interpreter(monkeypatch):
     info = device_mod.DeviceInfo("cuda", "amd", "MI300X", (9, 4), "gfx942")
     monkeypatch.setattr(int8._device, "describe", lambda device=None: info)
-    assert "NVIDIA GPUs only" in int8.device_refusal(torch.device("cuda", 0))
+    assert int8.device_refusal(torch.device("cuda", 0)) is None  # i8 MFMA (gpu_rules.amd_int8_refusal)
+    assert "FP32 only" in int8.device_refusal(torch.device("cuda", 0), "fp8")
+    info = device_mod.DeviceInfo("cuda", "amd", "RX 6800 XT", (10, 3), "gfx1030")
+    assert "not an AMD target" in int8.device_refusal(torch.device("cuda", 0))
     monkeypatch.setattr(int8._device, "interpreter_enabled", lambda: False)
     assert "TRITON_INTERPRET=1" in int8.device_refusal(torch.device("cpu"))
 
