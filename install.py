@@ -1001,12 +1001,18 @@ def check_gpu(f: Facts, target: Optional[Target]) -> Check:
     gpu = visible_gpu(f)
     no_gpu = gpu_rules.device_blocker(gpu_rules.Facts(device="cpu", vendor="cpu"))
     if f.torch_hip:
-        # select_path() decides AMD in fold(): auto keeps PyTorch there (AMD_NOT_VALIDATED).
+        # select_path() decides AMD in fold(): auto keeps PyTorch there (AMD_NOT_VALIDATED); a gfx
+        # arch outside the compile-tested families is a GPU blocker, as on the Settings node.
         c.add("ROCM", "info",
-              f"torch is a ROCm build (HIP {f.torch_hip}); the pack's Triton kernels are not validated on AMD "
-              f"GPUs yet, so auto uses PyTorch attention here (fp16 in the Settings node tries them).")
+              f"torch is a ROCm build (HIP {f.torch_hip}); the pack's Triton kernels are compile-tested for AMD "
+              f"({', '.join(gpu_rules.AMD_COMPILE_TARGETS)}) but not run on AMD hardware, so auto uses PyTorch "
+              f"attention and Linear here (fp16, int8 or fp8 in the Settings node force them where the GPU has them).")
         if gpu is None:
             c.block(no_gpu.code, no_gpu.reason)
+        else:
+            rule = gpu_rules.device_blocker(device_facts(f, gpu, None))
+            if rule is not None:
+                c.block(rule.code, rule.reason)
         return c
     if gpu is None:
         if f.torch_cuda:
@@ -1605,8 +1611,9 @@ def verdict(p: Plan, f: Facts, check: Optional[dict]) -> dict:
                 "message": f"No NVIDIA GPU: the pack uses PyTorch attention. {interp}"}
     if gpu_rules.AMD_NOT_VALIDATED in codes:
         return {"path": gpu_rules.PATH_PYTORCH, "triton_works": False,
-                "message": f"AMD GPU ({where}): in auto the pack uses PyTorch attention; its Triton kernels are "
-                           f"not validated on AMD GPUs yet (fp16 in the Settings node tries them)."}
+                "message": f"AMD GPU ({where}): in auto the pack uses PyTorch attention and Linear; its Triton "
+                           f"kernels are compile-tested for it but not run on AMD hardware (fp16 in the Settings "
+                           f"node forces them)."}
     reasons = p.path_reason if p.triton_blocked or check is None else ""
     if check is not None and check.get("error"):
         reasons = (reasons + "; " if reasons else "") + "self-check: " + check["error"]

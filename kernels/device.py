@@ -14,11 +14,11 @@ from . import cache_registry, env_settings
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    type: str  # "cuda", "cpu", ...
-    vendor: str  # "nvidia", "amd", "cpu", "other"
+    type: str  # "cuda", "xpu", "cpu", ...
+    vendor: str  # "nvidia", "amd", "intel", "cpu", "other"
     name: str
     capability: tuple[int, int] | None  # (major, minor) on NVIDIA; gfx arch lives in `arch` on AMD
-    arch: str  # "sm90", "gfx942", "cpu"; kernel_common.arch_family maps it to a config family
+    arch: str  # "sm90", "gfx942", "xpu", "cpu"; kernel_common.arch_family maps it to a config family
 
 
 def triton_version() -> str | None:
@@ -56,6 +56,14 @@ def _cuda_info(index: int) -> DeviceInfo:
 cache_registry.register("kernels.device.cuda_info", _cuda_info.cache_clear)
 
 
+def _xpu_name(index: int | None) -> str:
+    # torch.xpu exists in torch >= 2.4 (Intel GPUs); a build without it still names the vendor.
+    try:
+        return torch.xpu.get_device_name(index if index is not None else 0)
+    except Exception:
+        return "Intel XPU"
+
+
 def describe(device: torch.device | str | None = None) -> DeviceInfo:
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -65,4 +73,6 @@ def describe(device: torch.device | str | None = None) -> DeviceInfo:
         return _cuda_info(index)
     if device.type == "cpu":
         return DeviceInfo("cpu", "cpu", "cpu", None, "cpu")
+    if device.type == "xpu":  # Intel GPUs: gpu_rules sends them to PyTorch (INTEL_UNSUPPORTED)
+        return DeviceInfo("xpu", "intel", _xpu_name(device.index), None, "xpu")
     return DeviceInfo(device.type, "other", device.type, None, device.type)

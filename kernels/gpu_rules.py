@@ -19,10 +19,14 @@ Rules, each with a code the callers compare (never the message text):
   kernel offers it, else full FP8), INT8, FP16/BF16; sm_80 / sm_86 / sm_87 and sm_75 with
   Triton <= 3.2: INT8, FP16/BF16. A quantized path is kept only where it measured faster and
   agreed with ComfyUI's output (nodes/speed_choice.py).
-- AMD (ROCm): our kernels compile for gfx942 / gfx1100 but have not run on AMD hardware
-  here, so `auto` keeps PyTorch attention and `fp16` forces them.
-- Intel and other devices: PyTorch attention. CPU: PyTorch attention; the Triton
-  interpreter (TRITON_INTERPRET=1) serves tests only.
+- AMD (ROCm): per gfx family (amd_family): CDNA3 gfx942, CDNA4 gfx950, RDNA3 gfx11, RDNA4
+  gfx12 are what our kernels are compile-tested for (tests/compile/test_compile_amd.py);
+  other gfx archs get PyTorch. None has run on AMD hardware here, so `auto` keeps PyTorch
+  attention and Linear (see select_path) and a forced mode runs ours: fp16 everywhere; fp8
+  only where the matrix cores take OCP e4m3 (gfx950, gfx12; gfx942's FP8 is the fnuz format
+  our quantisers do not write, gfx11 has no FP8 dot); int8 on all four (i8 MFMA / iu8 WMMA).
+- Intel (XPU) and other devices Triton cannot serve: PyTorch attention and Linear. CPU:
+  PyTorch attention (SDPA); the Triton interpreter (TRITON_INTERPRET=1) serves tests only.
 """
 from __future__ import annotations
 
@@ -91,6 +95,9 @@ TURING_DROPPED = "GPU_TURING_DROPPED"
 BLACKWELL_TRITON = "GPU_BLACKWELL_NEEDS_TRITON"
 BLACKWELL_TORCH = "GPU_NEEDS_CU128"
 AMD_NOT_VALIDATED = "AMD_NOT_VALIDATED"
+AMD_ARCH_UNTESTED = "AMD_ARCH_UNTESTED"
+AMD_FP8_FNUZ = "AMD_FP8_FNUZ"
+AMD_FP8_TRITON = "AMD_FP8_NEEDS_TRITON"
 NO_FP8 = "NO_FP8_TENSOR_CORES"
 NO_BF16 = "NO_BF16_TENSOR_CORES"
 NO_INT8 = "NO_INT8_ATTENTION"
@@ -143,6 +150,77 @@ class Decision:
     def __post_init__(self):
         if not self.candidates and self.path != PATH_PYTORCH:
             object.__setattr__(self, "candidates", (self.path,))
+
+
+# ---- AMD (ROCm): what each gfx family's matrix cores take ----------------------------------
+# From AMD's ISA manuals, and what Triton 3.9 emits for our kernels (pinned in the AMDGCN by
+# tests/compile/test_compile_amd.py):
+# - CDNA3 (gfx940/941/942, MI300): MFMA f16/bf16 and i8; FP8 MFMA only in the fnuz formats
+#   (float8_e4m3fnuz: exponent bias 8, max 240, no negative zero). Our quantisers write OCP
+#   float8_e4m3fn (max 448); Triton compiles those dots for gfx942 by converting to f16 and
+#   using f16 MFMAs, so FP8 would cost a conversion and buy no matrix speed there.
+# - CDNA4 (gfx950, MI350): MFMA f16/bf16, i8 and OCP FP8 (v_mfma_f32_32x32x64_f8f6f4).
+# - RDNA3 (gfx1100-1103, gfx1150/1151): WMMA f16/bf16 and iu8; no FP8 dot (Triton upcasts).
+# - RDNA4 (gfx1200/1201): WMMA f16/bf16, iu8 and OCP FP8 (v_wmma_f32_16x16x16_fp8_fp8).
+AMD_CDNA3, AMD_CDNA4, AMD_RDNA3, AMD_RDNA4 = "CDNA3", "CDNA4", "RDNA3", "RDNA4"
+AMD_ARCH_PREFIXES = (("gfx94", AMD_CDNA3), ("gfx950", AMD_CDNA4), ("gfx110", AMD_RDNA3), ("gfx115", AMD_RDNA3),
+                     ("gfx120", AMD_RDNA4))
+AMD_FP8_FORMAT = {AMD_CDNA3: "fnuz", AMD_CDNA4: "ocp", AMD_RDNA4: "ocp"}  # RDNA3: none
+AMD_INT8_FAMILIES = frozenset({AMD_CDNA3, AMD_CDNA4, AMD_RDNA3, AMD_RDNA4})
+# First Triton whose HIP backend accepts fp8e4nv (OCP e4m3) for the family: its
+# backends/amd/compiler.py supported_fp8_dtypes (3.2: none on AMD; 3.3: gfx950; 3.4: gfx12),
+# checked against the releases in tests/compile/test_compile_amd.py. Compiled here: 3.5, 3.6, 3.9.
+AMD_FP8_MIN_TRITON = {AMD_CDNA4: (3, 3), AMD_RDNA4: (3, 4)}
+# One arch per family, compiled by the compile tests (kernels and the instruction each must use).
+AMD_COMPILE_TARGETS = ("gfx942", "gfx950", "gfx1100", "gfx1201")
+# Why auto does not time our kernels on AMD (select_path, install.py say it in these words).
+AMD_AUTO_WHY = ("our kernels are compile-tested for it but not run on AMD hardware (a GPU fault would stop "
+                "ComfyUI, which auto's timing check cannot catch)")
+
+
+def amd_family(arch: str) -> str:
+    """"CDNA3" / "CDNA4" / "RDNA3" / "RDNA4" for a gfx arch ("gfx942:sramecc+:xnack-" too), else ""."""
+    arch = (arch or "").split(":")[0]
+    return next((family for prefix, family in AMD_ARCH_PREFIXES if arch.startswith(prefix)), "")
+
+
+def amd_arch_blocker(arch: str, name: str = "") -> Optional[Rule]:
+    """Why our kernels do not serve this AMD GPU at all (a gfx family they are not built and
+    compile-tested for), or None."""
+    if amd_family(arch):
+        return None
+    return Rule(AMD_ARCH_UNTESTED,
+                f"{name or 'this AMD GPU'} ({(arch or 'gfx arch unknown').split(':')[0]}) is not an AMD target our "
+                f"kernels are compile-tested for ({', '.join(AMD_COMPILE_TARGETS)}: CDNA3, CDNA4, RDNA3, RDNA4)")
+
+
+def amd_fp8_refusal(arch: str, name: str = "", triton_version: Optional[str] = None) -> Optional[Rule]:
+    """Why this AMD GPU cannot run our FP8 (OCP e4m3) dots, or None where its matrix cores take them
+    (and the installed Triton, when known, compiles e4m3 for it)."""
+    family = amd_family(arch)
+    who = f"{name or 'this AMD GPU'} ({(arch or 'gfx?').split(':')[0]})"
+    fmt = AMD_FP8_FORMAT.get(family)
+    if fmt == "ocp":
+        need = AMD_FP8_MIN_TRITON[family]
+        tv = version_tuple(triton_version)
+        if tv and tv[:2] < need:
+            return Rule(AMD_FP8_TRITON, f"{who}: Triton {need[0]}.{need[1]} is the first release that compiles OCP "
+                                        f"FP8 (e4m3) for {family} (installed: {triton_version})")
+        return None
+    if fmt == "fnuz":
+        return Rule(AMD_FP8_FNUZ,
+                    f"{who} is CDNA3, whose FP8 matrix cores take the fnuz format (float8_e4m3fnuz, max 240); "
+                    "our kernels quantise to OCP float8_e4m3fn, which Triton runs there as FP16 MFMAs (no FP8 "
+                    "speed-up)")
+    what = "RDNA3 has no FP8 matrix instructions" if family == AMD_RDNA3 else "no FP8 matrix instructions known"
+    return Rule(NO_FP8, f"{who}: {what}")
+
+
+def amd_int8_refusal(arch: str, name: str = "") -> Optional[Rule]:
+    """Why this AMD GPU cannot run our INT8 dots, or None (i8 MFMA on CDNA, iu8 WMMA on RDNA3/4)."""
+    if amd_family(arch) in AMD_INT8_FAMILIES:
+        return None
+    return Rule(NO_INT8, f"{name or 'this AMD GPU'} ({arch or 'gfx?'}): no INT8 matrix instructions known")
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -214,9 +292,9 @@ def device_blocker(facts: Facts) -> Optional[Rule]:
             return None
         return Rule(NO_GPU, "no GPU: Triton kernels need an NVIDIA or AMD GPU")
     if facts.vendor == "intel":
-        return Rule(INTEL, "Intel GPUs are not supported by this pack's kernels yet")
+        return Rule(INTEL, "Intel GPUs (XPU) are not served by this pack's Triton kernels: PyTorch runs them")
     if facts.vendor == "amd":
-        return None
+        return amd_arch_blocker(facts.arch, facts.name)
     if facts.vendor != "nvidia" or facts.capability is None:
         return Rule(UNKNOWN_DEVICE, f"unsupported device {facts.device} ({facts.name or facts.vendor})")
     return nvidia_gpu_blocker(facts.name, facts.capability, facts.triton_version, facts.torch_version,
@@ -233,19 +311,26 @@ def triton_blocker(facts: Facts) -> Optional[Rule]:
 
 
 def fp8_capable(facts: Facts) -> bool:
+    if facts.vendor == "amd":
+        return amd_fp8_refusal(facts.arch, triton_version=facts.triton_version) is None
     return facts.vendor == "nvidia" and facts.capability is not None and facts.capability >= FP8_MIN_CAPABILITY
 
 
 def int8_capable(facts: Facts) -> bool:
+    if facts.vendor == "amd":
+        return amd_int8_refusal(facts.arch) is None
     return facts.vendor == "nvidia" and facts.capability is not None and facts.capability >= INT8_MIN_CAPABILITY
 
 
 def capability_refusal(vendor: str, capability: Optional[Tuple[int, int]], name: str,
-                       dtype: str = "", fp8: bool = False) -> Optional[Rule]:
+                       dtype: str = "", fp8: bool = False, arch: str = "") -> Optional[Rule]:
     """What the kernel registry asks per call: can this device run a dot of this kind?
 
-    dtype is the input dtype's short name ("bfloat16"); fp8 asks for e4m3 tensor cores.
+    dtype is the input dtype's short name ("bfloat16"); fp8 asks for e4m3 tensor cores. On AMD
+    the gfx `arch` decides (every family we serve has bf16 dots); without it FP8 is refused.
     """
+    if vendor == "amd":
+        return amd_fp8_refusal(arch, name) if fp8 else None
     if vendor != "nvidia" or capability is None:
         return None
     who = name or sm(capability)
@@ -323,20 +408,43 @@ def _forced_quantized(facts: Facts, mode: str, where: str) -> Decision:
     """fp8 / int8 forced on a GPU: that path (FP16/BF16 for the calls it cannot serve), or FP16/BF16
     with "<mode> asked, but ..." where it cannot run."""
     path = PATH_TRITON_FP8 if mode == "fp8" else PATH_TRITON_INT8
+    amd_refusal = None
+    if facts.vendor == "amd":
+        amd_refusal = amd_fp8_refusal(facts.arch, facts.name, facts.triton_version) if mode == "fp8" \
+            else amd_int8_refusal(facts.arch, facts.name)
+    if amd_refusal is not None:
+        return Decision(PATH_TRITON_FP16, f"{mode} asked, but {amd_refusal.reason}: using Triton FP16/BF16 instead",
+                        code=amd_refusal.code, overridden=True)
     if mode == "fp8" and not fp8_capable(facts):
         return Decision(PATH_TRITON_FP16, f"fp8 asked, but {where} has no FP8 tensor cores "
                                           "(needs sm_89+): using Triton FP16/BF16 instead",
                         code=NO_FP8, overridden=True)
     if mode == "int8" and not int8_capable(facts):
-        return Decision(PATH_TRITON_FP16, f"int8 asked, but our INT8 attention runs on NVIDIA sm_75+ only "
-                                          f"({where}): using Triton FP16/BF16 instead",
+        return Decision(PATH_TRITON_FP16, f"int8 asked, but our INT8 attention runs on NVIDIA sm_75+ and AMD "
+                                          f"CDNA3/4, RDNA3/4 only ({where}): using Triton FP16/BF16 instead",
                         code=NO_INT8, overridden=True)
     if path not in facts.implemented:
         return Decision(PATH_TRITON_FP16, f"{mode} asked, but the {mode.upper()} kernel cannot run here: "
                                           "using Triton FP16/BF16 instead", overridden=True)
-    return Decision(path, f"{mode} forced on {where}: {path_label(path, facts)} "
+    amd = " (OCP e4m3 on AMD; not run on AMD hardware here)" if facts.vendor == "amd" and mode == "fp8" else (
+        " (not run on AMD hardware here)" if facts.vendor == "amd" else "")
+    return Decision(path, f"{mode} forced on {where}: {path_label(path, facts)}{amd} "
                           "(Triton FP16/BF16 for calls it cannot serve)",
                     candidates=(path, PATH_TRITON_FP16))
+
+
+def _amd_decision(facts: Facts, mode: str, where: str) -> Decision:
+    """AMD, a gfx family our kernels are compile-tested for: auto keeps PyTorch (AMD_AUTO_WHY; and
+    ROCm's PyTorch SDPA already runs AMD's own flash-attention kernels); a forced mode runs ours
+    where the family has the dot (fp8: OCP FP8 only, gfx950 / gfx12)."""
+    if mode == "auto":
+        return Decision(PATH_PYTORCH, f"PyTorch attention on {where}: {AMD_AUTO_WHY}; choose fp16 "
+                                      "(or fp8 / int8 where the GPU has them) to force them",
+                        code=AMD_NOT_VALIDATED)
+    if mode == "fp16":
+        return Decision(PATH_TRITON_FP16, f"fp16 forced: Triton FP16/BF16 attention on {where} "
+                                          f"({amd_family(facts.arch)}; not run on AMD hardware here)")
+    return _forced_quantized(facts, mode, where)
 
 
 def select_path(facts: Facts, mode: str = "auto") -> Decision:
@@ -364,9 +472,8 @@ def select_path(facts: Facts, mode: str = "auto") -> Decision:
         return Decision(PATH_TRITON_FP16, "fp16 forced on the CPU through TRITON_INTERPRET=1: "
                                           "Triton FP16/BF16 kernel in the interpreter (tests only, very slow)")
 
-    if facts.vendor == "amd" and not forced:
-        return Decision(PATH_PYTORCH, f"PyTorch attention: our kernels are not validated on AMD GPUs yet "
-                                      f"({where}); choose fp16 to try them", code=AMD_NOT_VALIDATED)
+    if facts.vendor == "amd":
+        return _amd_decision(facts, mode, where)
     if mode in ("fp8", "int8"):
         return _forced_quantized(facts, mode, where)
     if mode == "fp16":
@@ -441,13 +548,21 @@ LINEAR_NVIDIA_ONLY = "LINEAR_NVIDIA_ONLY"
 
 
 def linear_capability_refusal(method: str, vendor: str, capability: Optional[Tuple[int, int]],
-                              name: str = "") -> Optional[Rule]:
-    """Why this GPU cannot run `method`'s Linear kernel (None: it can). CPUs are not judged here."""
+                              name: str = "", arch: str = "", triton_version: Optional[str] = None) -> Optional[Rule]:
+    """Why this GPU cannot run `method`'s Linear kernel (None: it can). CPUs are not judged here.
+    AMD is judged by its gfx `arch` (refused without one): FP8 W8A8 needs OCP FP8 dots (gfx950,
+    gfx12), INT8 W8A8 i8/iu8 dots, weight-only only 16-bit dots (its e4m3 decode is shifts)."""
     if vendor == "cpu":
         return None
+    if vendor == "amd":
+        rule = amd_arch_blocker(arch, name)
+        if rule is None and method == LINEAR_FP8_W8A8:
+            rule = amd_fp8_refusal(arch, name, triton_version)
+        if rule is None and method == LINEAR_INT8_W8A8:
+            rule = amd_int8_refusal(arch, name)
+        return rule
     if vendor != "nvidia" or capability is None:
-        # AMD's FP8 is the fnuz flavour our kernels do not emit, and nothing ran on AMD here.
-        return Rule(LINEAR_NVIDIA_ONLY, f"our Linear kernels support NVIDIA GPUs only ({name or vendor})")
+        return Rule(LINEAR_NVIDIA_ONLY, f"our Linear kernels support NVIDIA and AMD GPUs only ({name or vendor})")
     need = LINEAR_MIN_CAPABILITY[method]
     if capability < need:
         code = NO_FP8 if method == LINEAR_FP8_W8A8 else (NO_BF16 if method == LINEAR_FP8_WEIGHT_ONLY else GPU_TOO_OLD)
@@ -470,9 +585,10 @@ def select_linear_method(facts: Facts, mode: str = "auto", weight_is_fp8: bool =
     """The Linear method for one device (a name of LINEAR_METHODS, or "pytorch"), with the reason.
 
     auto: FP8 W8A8 on sm_89+; on sm_80/86 the FP8 weight-only GEMM when the checkpoint's
-    weights are already FP8, else INT8 W8A8 (also sm_75); PyTorch on AMD, Intel, CPU and
-    unknown devices. A forced mode the device cannot honour takes auto's choice there and
-    says "<mode> asked, but ..." with overridden=True.
+    weights are already FP8, else INT8 W8A8 (also sm_75); PyTorch on AMD (forced modes run ours
+    where the gfx family has the dot: _amd_linear_decision), Intel, CPU and unknown devices. A
+    forced mode the device cannot honour takes auto's choice there and says "<mode> asked,
+    but ..." with overridden=True.
     """
     if mode not in LINEAR_MODES:
         raise ValueError(f"unknown Linear mode {mode!r}; expected one of {LINEAR_MODES}")
@@ -491,8 +607,10 @@ def select_linear_method(facts: Facts, mode: str = "auto", weight_is_fp8: bool =
         method = LINEAR_METHOD_OF_MODE[mode]
         return Decision(method, f"{mode} forced on the CPU through TRITON_INTERPRET=1: {LINEAR_LABEL[method]} "
                                 "in the interpreter (tests only, very slow)")
+    if facts.vendor == "amd":
+        return _amd_linear_decision(facts, mode, where)
     refusal = linear_capability_refusal(LINEAR_INT8_W8A8, facts.vendor, facts.capability, facts.name)
-    if refusal is not None:  # AMD and unknown vendors: no method at all
+    if refusal is not None:  # unknown vendors: no method at all
         prefix = f"{mode} asked, but PyTorch Linear" if forced else "PyTorch Linear"
         return Decision(PATH_PYTORCH, f"{prefix}: {refusal.reason} ({where})", code=refusal.code,
                         overridden=forced)
@@ -510,6 +628,22 @@ def select_linear_method(facts: Facts, mode: str = "auto", weight_is_fp8: bool =
                                      "instead", code=refusal.code, overridden=True)
     return Decision(method, f"{mode} forced: {LINEAR_LABEL[method]} Linear on {where}")
 
+
+def _amd_linear_decision(facts: Facts, mode: str, where: str) -> Decision:
+    """AMD (a compile-tested gfx family): auto keeps PyTorch Linear for the reason attention does
+    (AMD_AUTO_WHY); a forced method runs where the family has its dot, else PyTorch Linear."""
+    if mode == "auto":
+        return Decision(PATH_PYTORCH, f"PyTorch Linear on {where}: {AMD_AUTO_WHY}; force int8, fp8_weight_only "
+                                      "(or fp8 where the GPU has OCP FP8) to run them", code=AMD_NOT_VALIDATED)
+    method = LINEAR_METHOD_OF_MODE[mode]
+    refusal = linear_capability_refusal(method, facts.vendor, facts.capability, facts.name, facts.arch,
+                                        facts.triton_version)
+    if refusal is not None:
+        return Decision(PATH_PYTORCH, f"{mode} asked, but {refusal.reason}: PyTorch Linear", code=refusal.code,
+                        overridden=True)
+    return Decision(method, f"{mode} forced: {LINEAR_LABEL[method]} Linear on {where} "
+                            f"({amd_family(facts.arch)}; not run on AMD hardware here)")
+
 __all__ = [
     "PATH_TRITON_FP16", "PATH_TRITON_FP8", "PATH_TRITON_INT8", "PATH_PYTORCH", "PATHS", "TRITON_PATHS",
     "BACKEND_OF_PATH", "LOSSY_PATHS", "MODES", "Rule", "Facts", "Decision", "version_tuple", "sm",
@@ -519,4 +653,6 @@ __all__ = [
     "OPTIONAL_FP8_KERNELS", "GLUON_CAPABILITY", "feature_refusal", "FEATURE_MIN_TRITON",
     "LINEAR_MODES", "LINEAR_METHODS", "LINEAR_FP8_W8A8", "LINEAR_INT8_W8A8", "LINEAR_FP8_WEIGHT_ONLY",
     "LINEAR_MIN_CAPABILITY", "linear_capability_refusal", "select_linear_method",
+    "amd_family", "amd_arch_blocker", "amd_fp8_refusal", "amd_int8_refusal", "AMD_COMPILE_TARGETS",
+    "AMD_FP8_FORMAT", "AMD_INT8_FAMILIES", "AMD_FP8_MIN_TRITON",
 ]

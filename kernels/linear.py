@@ -20,6 +20,7 @@ no backward (the quantised weight is not a parameter).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -99,7 +100,7 @@ class LinearConstraints:
         elif dev.type != "cuda":
             return f"device type {dev.type!r} not supported (needs CUDA, or CPU under the interpreter)"
         else:
-            rule = linear_capability_refusal(self.method, dev.vendor, dev.capability, dev.name)
+            rule = linear_capability_refusal(self.method, dev.vendor, dev.capability, dev.name, dev.arch)
             if rule is not None:
                 return rule.reason
             oldest = min_capability_for(_device.triton_version())
@@ -154,7 +155,8 @@ def linear_refusal(method: str, device, dtype: torch.dtype | None = None) -> str
 
 # ---- preparing weights ----------------------------------------------------------------------
 
-def _check_weight(weight, method: str, weight_scale) -> None:
+def _check_weight_layout(weight, method: str, weight_scale) -> None:
+    """The checks that read no tensor values (no host sync)."""
     if method not in METHODS:
         raise LinearInputError(f"unknown Linear method {method!r}; expected one of {METHODS}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -174,7 +176,13 @@ def _check_weight(weight, method: str, weight_scale) -> None:
         s = torch.as_tensor(weight_scale)
         if s.numel() not in (1, n):
             raise LinearInputError(f"weight_scale must be a scalar or have {n} values; got {s.numel()}")
-        if not bool(torch.isfinite(s.float()).all()) or not bool((s.float() > 0).all()):
+
+
+def _check_weight(weight, method: str, weight_scale) -> None:
+    _check_weight_layout(weight, method, weight_scale)
+    if weight_scale is not None:
+        s = torch.as_tensor(weight_scale).float()
+        if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
             raise LinearInputError("weight_scale must be finite and positive")
     if weight.dtype != torch.float8_e4m3fn and not bool(torch.isfinite(weight).all()):
         raise LinearInputError("weight has NaN or Inf values")
@@ -188,6 +196,40 @@ def prepare_weight(weight: torch.Tensor, method: str, weight_scale=None) -> Prep
     """
     _check_weight(weight, method, weight_scale)
     q, s, rotation = _method_module(method).prepare(weight, weight_scale)
+    n, k = weight.shape
+    return PreparedLinearWeight(method=method, out_features=n, in_features=k, source_dtype=weight.dtype,
+                                device=weight.device, weight=q, scale=s, rotation=rotation)
+
+
+def prepare_weight_per_call(weight: torch.Tensor, method: str, weight_scale=None) -> PreparedLinearWeight:
+    """prepare_weight for a weight that serves one call and is dropped (ComfyUI's dynamic VRAM
+    casts each layer's weight per call into a transient buffer: keeping a quantised copy would
+    pin the memory dynamic VRAM exists to bound).
+
+    Only the checks that read no values: a NaN/Inf test or a scale test would sync the host with
+    the GPU on every call (the patch's quality guard compares the first call of each weight
+    version with ComfyUI's instead). FP8 methods take float8_e4m3fn weights as they are and
+    quantise 16/32-bit ones with the fused row kernel (one pass) where the device runs it; int8
+    runs its usual preparation (rotation in torch: several passes, the costly one per call).
+    """
+    _check_weight_layout(weight, method, weight_scale)
+    if weight.dtype == torch.float8_e4m3fn and weight_scale is None:
+        # A unit scale made on the device: a Python 1.0 would be copied from the host, a copy
+        # that blocks the host on every call.
+        weight_scale = torch.ones((), dtype=torch.float32, device=weight.device)
+    # Triton launches on the current device, which need not be the weight's.
+    with torch.cuda.device(weight.device) if weight.is_cuda else contextlib.nullcontext():
+        if method in (LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY) and weight.dtype != torch.float8_e4m3fn:
+            from . import linear_fp8
+            from .kernel_common import fp8_device_refusal
+
+            if fp8_device_refusal(weight.device, "FP8 Linear") is None:
+                w = linear_fp8.quantize_weight_rows(weight)
+                q, s, rotation = w.weight, w.scale, 0
+            else:  # weight-only on sm_80/86 has no e4m3 conversion instruction: torch quantises
+                q, s, rotation = _method_module(method).prepare(weight, weight_scale)
+        else:
+            q, s, rotation = _method_module(method).prepare(weight, weight_scale)
     n, k = weight.shape
     return PreparedLinearWeight(method=method, out_features=n, in_features=k, source_dtype=weight.dtype,
                                 device=weight.device, weight=q, scale=s, rotation=rotation)
@@ -310,4 +352,4 @@ def linear_ref(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tens
 
 
 __all__ = ["METHODS", "LinearInputError", "PreparedLinearWeight", "LinearCall", "LinearConstraints",
-           "prepare_weight", "linear", "linear_refusal", "linear_ref", "BackendUnavailableError", "OP"]
+           "prepare_weight", "prepare_weight_per_call", "linear", "linear_refusal", "linear_ref", "BackendUnavailableError", "OP"]

@@ -69,6 +69,9 @@ ALIGN_ELEMENTS = 16  # K and N multiple of 16: 16-byte TMA strides for e4m3, who
 LINEAR_FP8_CONFIGS = {
     "sm90": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=3, TMA=True),
     "sm89": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=False),
+    # AMD with OCP FP8 dots (gfx950, gfx12; gpu_rules.amd_fp8_refusal): sm89's tile, which fits
+    # 64 KB of LDS (32 KB as Triton 3.9 compiles it for gfx1201); untimed, not run on AMD here.
+    "hip": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=False),
     # The interpreter runs on numpy: small tiles keep CPU tests fast and still walk several
     # tiles per program, partial tiles and several K steps.
     "interpreter": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1, TMA=False),
@@ -144,6 +147,26 @@ def quantize_weight(weight: torch.Tensor, scale: torch.Tensor | float | None = N
     # rounding, and the clamp keeps that rounding from overflowing e4m3 (which has no inf).
     q = (w / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return Fp8LinearWeight(q.contiguous(), s.contiguous())
+
+
+def quantize_weight_rows(weight: torch.Tensor) -> Fp8LinearWeight:
+    """Per-output-channel e4m3 of a float weight [N, K] through the activation row kernel (a
+    weight row is an output channel): one read of the weight, one e4m3 write, no host sync.
+
+    For weights quantised on every call and then dropped (ComfyUI's dynamic VRAM streams them
+    into a transient buffer, so there is nothing to keep): `quantize_weight`'s torch ops make
+    several passes over an fp32 copy, fine once per layer, not per call. The scale is the same
+    (channel amax / 448); the value is x * (448 / amax) instead of x / (amax / 448), which can
+    differ in the last bit before the e4m3 rounding.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features]; got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    _check_features(n, k)
+    if weight.dtype not in IN_DTYPES:
+        raise Fp8LinearUnsupportedError(f"the row quantiser takes float16/bfloat16/float32 weights; got {weight.dtype}")
+    q, s = quantize_activation(weight if weight.stride(-1) == 1 else weight.contiguous())
+    return Fp8LinearWeight(q, s)
 
 
 def config_family(arch: str) -> str:
@@ -445,4 +468,4 @@ def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, 
 
 
 __all__ = ["prepare", "run_linear", "Fp8LinearWeight", "Fp8LinearUnsupportedError", "LINEAR_FP8_CONFIGS", "quantize_weight",
-           "quantize_activation", "fp8_gemm", "fp8_linear", "config_family", "compile_specs", "FP8_MAX"]
+           "quantize_weight_rows", "quantize_activation", "fp8_gemm", "fp8_linear", "config_family", "compile_specs", "FP8_MAX"]

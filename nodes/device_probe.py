@@ -55,8 +55,10 @@ def probe(device, selfcheck_kernel: bool = True) -> Facts:
     triton_version = kernels.triton_version()
     triton_error = kernels.triton_import_error()
     if triton_error is None and triton_version is not None and selfcheck_kernel:
-        ok, message = selfcheck.triton_works(device) if (device.type != "cpu" or kernels.interpreter_enabled()) \
-            else (True, "")
+        # Only where our kernels could run: CUDA/ROCm GPUs, CPU tensors under the interpreter
+        # (an Intel XPU is refused by gpu_rules whatever a test kernel would do there).
+        runs_ours = device.type == "cuda" or (device.type == "cpu" and kernels.interpreter_enabled())
+        ok, message = selfcheck.triton_works(device) if runs_ours else (True, "")
         triton_error = None if ok else message
     arch = info.arch
     if vendor == "nvidia" and info.capability:

@@ -48,8 +48,16 @@ NVIDIA = {
     "sm100": ("NVIDIA B200", (10, 0)),
     "sm120": ("NVIDIA GeForce RTX 5090", (12, 0)),
 }
-OTHER = ("amd", "intel", "cpu")
-AMD_NAME, AMD_ARCH = "AMD Instinct MI300X", "gfx942:sramecc+:xnack-"
+# AMD GPUs: (name, gfx arch as ROCm reports it, capability torch reports) per family gpu_rules
+# knows (CDNA3 with its target features, CDNA4, RDNA3, RDNA4) and one it does not (RDNA2).
+AMD = {
+    "amd": ("AMD Instinct MI300X", "gfx942:sramecc+:xnack-", [9, 4]),
+    "amd_gfx950": ("AMD Instinct MI355X", "gfx950", [9, 5]),
+    "amd_gfx1100": ("AMD Radeon RX 7900 XTX", "gfx1100", [11, 0]),
+    "amd_gfx1201": ("AMD Radeon RX 9070 XT", "gfx1201", [12, 0]),
+    "amd_gfx1030": ("AMD Radeon RX 6800 XT", "gfx1030", [10, 3]),
+}
+OTHER = tuple(AMD) + ("intel", "cpu")
 INTEL_NAME = "Intel(R) Arc(TM) A770 Graphics"
 TRITONS = (None, "3.2.0", "3.3.0", "3.5.0", "3.6.0", "3.9.0")
 # (torch, CUDA of its default build); torch 2.7 also ships cu126 (too old for Blackwell).
@@ -78,9 +86,10 @@ def linux_facts(device, torch, cuda, triton):
                      gpus=[{"name": name, "capability": list(cap)}],
                      torch_requires=[f'triton=={pin}; platform_system == "Linux"'],
                      installed={"triton": triton} if triton else {})
-    elif device == "amd":
+    elif device in AMD:
+        name, arch, cap = AMD[device]
         facts.update(torch_version=f"{torch}+rocm6.4", torch_hip="6.4.43482", cuda_available=True,
-                     gpus=[{"name": AMD_NAME, "capability": [9, 4], "arch": AMD_ARCH}],
+                     gpus=[{"name": name, "capability": cap, "arch": arch}],
                      torch_requires=[f'pytorch-triton-rocm=={pin}; platform_system == "Linux"'],
                      installed={"pytorch-triton-rocm": triton} if triton else {})
     else:
@@ -115,8 +124,9 @@ def rules_facts(device, torch, cuda, triton_version):
         name, cap = NVIDIA[device]
         return rules.Facts(device="cuda:0", vendor="nvidia", name=name, capability=cap,
                            torch_version=f"{torch}+cu{cuda.replace('.', '')}", torch_cuda=cuda, **common)
-    if device == "amd":
-        return rules.Facts(device="cuda:0", vendor="amd", name=AMD_NAME, arch="gfx942",
+    if device in AMD:
+        name, arch, _cap = AMD[device]
+        return rules.Facts(device="cuda:0", vendor="amd", name=name, arch=arch.split(":")[0],
                            torch_version=f"{torch}+rocm6.4", **common)
     if device == "intel":
         return rules.Facts(device="xpu:0", vendor="intel", name=INTEL_NAME, torch_version=f"{torch}+xpu", **common)
@@ -129,7 +139,7 @@ def expected_version(platform, device, torch, triton):
         return triton
     if platform == "windows":
         return "3.%d" % (int(torch.split(".")[1]) - 4)  # install.py's triton-windows table
-    if device in NVIDIA or device == "amd":
+    if device in NVIDIA or device in AMD:
         return _pin(torch, triton)
     return None  # CPU / XPU torch pins no triton: pip picks it
 
@@ -188,7 +198,7 @@ def test_missing_triton_is_what_install_py_fixes(device):
         assert (d.path, d.code) == (rules.PATH_PYTORCH, rules.TRITON_MISSING)
         p = inst.plan(linux_facts(device, torch, cuda, None))
         codes = [x.code for x in p.findings]
-        if device == "amd":
+        if device in AMD:
             assert "TRITON_FROM_PYTORCH_INDEX" in codes, codes
         else:
             assert "TRITON_MISSING" in codes, codes
@@ -206,7 +216,7 @@ def test_the_grid_covers_every_outcome():
             codes |= {b.code for b in p.blockers}
     assert paths == {rules.PATH_TRITON_FP8, rules.PATH_TRITON_INT8, rules.PATH_PYTORCH}
     assert {rules.GPU_TOO_OLD, rules.TURING_DROPPED, rules.BLACKWELL_TORCH, rules.BLACKWELL_TRITON, rules.NO_GPU,
-            rules.AMD_NOT_VALIDATED} <= codes
+            rules.AMD_NOT_VALIDATED, rules.AMD_ARCH_UNTESTED} <= codes
 
 
 def test_rules_module_is_the_packs_file():

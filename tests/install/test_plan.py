@@ -425,8 +425,9 @@ MESSAGES = [
      "Free-threaded Python 3.13.9t: triton-windows' bundled TinyCC cannot build for it; Triton then needs MSVC.",
      "Install Visual Studio Build Tools with 'Desktop development with C++', or use a regular (GIL) Python."),
     ("ROCM", linux("2.9.1+rocm6.4", None, requires=TORCH29_ROCM_REQ, torch_hip="6.4.43482"), "ROCM",
-     "torch is a ROCm build (HIP 6.4.43482); the pack's Triton kernels are not validated on AMD GPUs yet, so "
-     "auto uses PyTorch attention here (fp16 in the Settings node tries them).", ""),
+     "torch is a ROCm build (HIP 6.4.43482); the pack's Triton kernels are compile-tested for AMD (gfx942, gfx950, "
+     "gfx1100, gfx1201) but not run on AMD hardware, so auto uses PyTorch attention and Linear here (fp16, int8 or "
+     "fp8 in the Settings node force them where the GPU has them).", ""),
     ("TRITON_FROM_PYTORCH_INDEX", linux("2.9.1+rocm6.4", None, requires=TORCH29_ROCM_REQ, torch_hip="6.4.43482"),
      "TRITON_FROM_PYTORCH_INDEX",
      "torch needs pytorch-triton-rocm==3.5.0, which is only on the PyTorch package index (installed: none).",
@@ -649,8 +650,9 @@ def test_every_code_has_a_message_test():
     ({"mode": "interpreter", "kernel_ok": True},
      linux("2.9.1+rocm6.4", "gfx942", requires=TORCH29_ROCM_REQ, torch_hip="6.4.43482",
            installed={"pytorch-triton-rocm": "3.5.0"}),
-     ("pytorch", "AMD GPU (AMD Instinct MI300X): in auto the pack uses PyTorch attention; its Triton kernels are not "
-                 "validated on AMD GPUs yet (fp16 in the Settings node tries them).")),
+     ("pytorch", "AMD GPU (AMD Instinct MI300X): in auto the pack uses PyTorch attention and Linear; its Triton "
+                 "kernels are compile-tested for it but not run on AMD hardware (fp16 in the Settings node forces "
+                 "them).")),
 ], ids=["fp8", "fp16", "dll-load-failed", "sm61", "blocked-unchecked", "cpu-interpreter", "cpu-no-triton",
         "cpu-unchecked", "fp8-unchecked", "no-python-h", "wrong-include-no-lib", "cpu-shadowed-triton",
         "cpu-shadowed-unchecked", "amd"])
@@ -692,5 +694,6 @@ def test_amd_reason_is_select_paths():
               installed={"pytorch-triton-rocm": "3.5.0"})
     p = inst.plan(f)
     assert [b.code for b in p.blockers] == ["AMD_NOT_VALIDATED"]
-    assert p.path_reason == ("PyTorch attention: our kernels are not validated on AMD GPUs yet (AMD Instinct MI300X "
-                             "(gfx942)); choose fp16 to try them")
+    assert p.path_reason == ("PyTorch attention on AMD Instinct MI300X (gfx942): our kernels are compile-tested for "
+                             "it but not run on AMD hardware (a GPU fault would stop ComfyUI, which auto's timing "
+                             "check cannot catch); choose fp16 (or fp8 / int8 where the GPU has them) to force them")

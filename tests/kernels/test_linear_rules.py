@@ -51,7 +51,7 @@ TABLE = {
     "sm_90-auto": (nvidia("sm_90"), "auto", False, LINEAR_FP8_W8A8, False, ["H200"]),
     "sm_120-auto": (nvidia("sm_120"), "auto", False, LINEAR_FP8_W8A8, False, ["sm_120"]),
     "sm_120-old-triton": (nvidia("sm_120", "3.2.0"), "auto", False, PATH_PYTORCH, False, ["Blackwell"]),
-    "amd-auto": (AMD, "auto", False, PATH_PYTORCH, False, ["NVIDIA GPUs only"]),
+    "amd-auto": (AMD, "auto", False, PATH_PYTORCH, False, ["not run on AMD hardware", "gfx1100"]),
     "intel-auto": (INTEL, "auto", False, PATH_PYTORCH, False, ["Intel"]),
     "cpu-auto": (CPU, "auto", False, PATH_PYTORCH, False, ["no GPU"]),
     "cpu-interpreter-auto": (CPU_INTERP, "auto", False, PATH_PYTORCH, False, ["interpreter"]),
@@ -69,7 +69,7 @@ TABLE = {
     "sm_75-fp8": (nvidia("sm_75", "3.2.0"), "fp8", False, LINEAR_INT8_W8A8, True, ["fp8 asked, but", "sm_75"]),
     "sm_75-weight-only": (nvidia("sm_75", "3.2.0"), "fp8_weight_only", True, LINEAR_INT8_W8A8, True,
                           ["fp8_weight_only asked, but", "sm_80"]),
-    "amd-int8": (AMD, "int8", False, PATH_PYTORCH, True, ["int8 asked, but", "NVIDIA GPUs only"]),
+    "amd-fp8-rdna3": (AMD, "fp8", False, PATH_PYTORCH, True, ["fp8 asked, but", "RDNA3 has no FP8"]),
     "cpu-fp8": (CPU, "fp8", False, PATH_PYTORCH, True, ["fp8 asked, but", "no GPU"]),
     "sm_61-int8": (nvidia("sm_61"), "int8", False, PATH_PYTORCH, True, ["int8 asked, but", "sm_75"]),
     "off": (nvidia("sm_90"), "off", False, PATH_PYTORCH, False, ["off"]),
@@ -141,4 +141,7 @@ def test_linear_refusal_amd_unknown_method_and_cpu(monkeypatch):
     monkeypatch.setattr(linear_mod._device, "interpreter_enabled", lambda: False)
     assert "TRITON_INTERPRET" in linear_mod.linear_refusal("fp8_w8a8", "cpu")
     _fake_gpu(monkeypatch, device_mod.DeviceInfo("cuda", "amd", "AMD Instinct MI300X", (9, 4), "gfx942"))
-    assert "NVIDIA GPUs only" in linear_mod.linear_refusal("int8_w8a8", "cuda:0")
+    assert "fnuz" in linear_mod.linear_refusal("fp8_w8a8", "cuda:0")
+    assert linear_mod.linear_refusal("int8_w8a8", "cuda:0") is None
+    _fake_gpu(monkeypatch, device_mod.DeviceInfo("cuda", "amd", "AMD Radeon Pro W6800", (10, 3), "gfx1030"))
+    assert "not an AMD target" in linear_mod.linear_refusal("int8_w8a8", "cuda:0")

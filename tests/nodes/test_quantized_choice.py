@@ -103,8 +103,8 @@ def test_fp8_kernel_order(card, kernels, order):
 FORCED_OVERRIDDEN = {
     "int8-turing-triton-3.3": (nvidia("sm_75", "3.3.1"), "int8", PATH_PYTORCH, ["Turing", "3.3"]),
     "fp8-turing-triton-3.3": (nvidia("sm_75", "3.3.1"), "fp8", PATH_PYTORCH, ["Turing"]),
-    "int8-amd": (Facts(device="cuda:0", vendor="amd", name="AMD Radeon RX 7900 XTX", arch="gfx1100",
-                       triton_version="3.6.0", implemented=ALL), "int8", FP16, ["NVIDIA sm_75+", "gfx1100"]),
+    "fp8-amd-rdna3": (Facts(device="cuda:0", vendor="amd", name="AMD Radeon RX 7900 XTX", arch="gfx1100",
+                            triton_version="3.6.0", implemented=ALL), "fp8", FP16, ["RDNA3 has no FP8", "gfx1100"]),
     "int8-not-shipped": (nvidia("sm_86", implemented=frozenset({FP16})), "int8", FP16, ["INT8 kernel cannot run"]),
     "fp8-ampere": (nvidia("sm_86"), "fp8", FP16, ["no FP8 tensor cores"]),
     "int8-cpu-interpreter": (Facts(device="cpu", vendor="cpu", triton_version="3.6.0", interpreter=True,
