@@ -65,5 +65,27 @@ if _inside_comfyui():
         log_startup()
     except Exception:
         log.exception("Triton Accel: the nodes could not be loaded; ComfyUI continues without them")
+    try:
+        # Other packs' attention implementations: `import triton_accel` from now on, and the
+        # register_triton_accel(api) hooks of packs loaded before this one (docs/extension_api.md).
+        from .nodes.extension_hooks import setup as _setup_extension_api
+
+        _setup_extension_api(__name__)
+    except Exception:
+        log.exception("Triton Accel: the extension API could not be published; other packs cannot register")
+
+# The extension API's names, read from the package itself when it was imported as
+# "triton_accel" (tests; a clone into a folder of that name), where sys.modules holds the package.
+_EXTENSION_API_NAMES = frozenset({"API_VERSION", "Constraints", "ExtensionCallError", "register_attention",
+                                  "unregister", "list_extensions"})
+
+
+def __getattr__(name):
+    if name in _EXTENSION_API_NAMES:
+        from .kernels import extensions
+
+        return getattr(extensions, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY", "__version__"]

@@ -64,6 +64,7 @@ class Constraints:
     device_types: frozenset[str] = frozenset({"cuda"})
     vendors: frozenset[str] | None = None  # None: any vendor of an allowed device type
     min_capability: tuple[int, int] | None = None  # NVIDIA only; gpu_rules.min_capability_for(triton)
+    max_capability: tuple[int, int] | None = None  # NVIDIA only, inclusive (extension packs: kernels/extensions.py)
     fp8: bool = False  # needs FP8 (e4m3) tensor cores; gpu_rules decides which GPUs have them
     dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16, torch.float32})
     head_dims: tuple[int, int] = (1, 256)  # inclusive
@@ -86,10 +87,13 @@ class Constraints:
             return (f"compute capability {dev.capability[0]}.{dev.capability[1]} < required "
                     f"{self.min_capability[0]}.{self.min_capability[1]} for the installed Triton "
                     f"({dev.name} is {sm(dev.capability)})")
+        if dev.vendor == "nvidia" and self.max_capability and dev.capability > self.max_capability:
+            return (f"compute capability {dev.capability[0]}.{dev.capability[1]} > supported "
+                    f"{self.max_capability[0]}.{self.max_capability[1]} ({dev.name} is {sm(dev.capability)})")
         if call.dtype not in self.dtypes:
             return f"dtype {call.dtype} not supported"
         refusal = capability_refusal(dev.vendor, dev.capability, dev.name,
-                                     dtype=str(call.dtype).replace("torch.", ""), fp8=self.fp8)
+                                     dtype=str(call.dtype).replace("torch.", ""), fp8=self.fp8, arch=dev.arch)
         if refusal is not None:
             return refusal.reason
         lo, hi = self.head_dims
@@ -117,6 +121,9 @@ class Implementation:
     # str | None (kernels/linear.py: LinearCall / LinearConstraints).
     constraints: Constraints
     unavailable: str | None = None  # set when the implementation cannot run at all here
+    # Chosen only when asked for by name, never by priority (another pack's extension: the
+    # nodes time it against ComfyUI's attention first, or the user forces it).
+    by_name_only: bool = False
 
     def refusal(self, call: Call) -> str | None:
         if self.unavailable:
@@ -133,8 +140,15 @@ class Registry:
         with self._lock:
             self._impls.setdefault(impl.op, {})[impl.name] = impl
 
+    def unregister(self, op: str, name: str) -> bool:
+        with self._lock:
+            return self._impls.get(op, {}).pop(name, None) is not None
+
     def implementations(self, op: str) -> list[Implementation]:
-        return sorted(self._impls.get(op, {}).values(), key=lambda i: -i.priority)
+        # A copy under the lock: another pack may register or unregister while a sampler thread reads.
+        with self._lock:
+            impls = list(self._impls.get(op, {}).values())
+        return sorted(impls, key=lambda i: -i.priority)
 
     def get(self, op: str, name: str) -> Implementation | None:
         return self._impls.get(op, {}).get(name)
@@ -152,6 +166,8 @@ class Registry:
             return impl
         reasons = {}
         for impl in self.implementations(op):
+            if impl.by_name_only:
+                continue
             reason = impl.refusal(call)
             if reason is None:
                 return impl

@@ -14,9 +14,11 @@ import torch
 
 from .. import __version__ as PACK_VERSION
 from .. import kernels
+from ..kernels import extensions
 from . import call_stats
 from .device_probe import probe
 from ..kernels.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
+from ..kernels.registry import BackendUnavailableError
 from .settings import SEARCH_ALIASES, SETTINGS_TYPE, AccelSettings, patched_model_text
 from .speed_choice import ORIGINAL, SpeedChoice, note_model_device, shape_class
 from .speed_choice import shared as shared_speed_choice
@@ -133,28 +135,46 @@ class AttentionOverride:
         self.previous = previous
         self.label = label  # call_stats' name for the patched clone ("Flux #1"), per-model counts
         self._usable: dict = {}
+        self._extension_paths: dict = {}
 
     def __deepcopy__(self, memo):
         return self
 
-    def _usable_paths(self, decision, q, k, v, mask, full_precision: bool):
-        """The decision's paths that can serve this call, and why the others cannot.
+    def _auto_extensions(self, device: torch.device) -> tuple[str, ...]:
+        """Other packs' attention (kernels/extensions.py) that auto times here, by priority: only
+        in auto, only where auto times (it must prove itself faster and in agreement first), only
+        those whose constraints admit the device."""
+        if self.settings.mode != "auto" or not timed_on(device):
+            return ()
+        key = (str(device), extensions.generation())
+        paths = self._extension_paths.get(key)
+        if paths is None:
+            paths = extensions.paths_by_priority(kernels.describe(device))
+            self._extension_paths = {key: paths}
+        return paths
+
+    def _usable_paths(self, decision, q, k, v, mask, full_precision: bool, extra: tuple = ()):
+        """The decision's paths (and `extra`: extensions) that can serve this call, and why the others cannot.
 
         A model repeats a handful of call signatures thousands of times per image, so the
         registry's answer is remembered per signature instead of re-checked on every call.
         """
         m = None if mask is None else (mask.dtype, tuple(mask.shape), mask.stride())
-        key = (decision, q.device, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape), m, full_precision)
+        key = (decision, extra, extensions.generation(), q.device, q.dtype, tuple(q.shape), tuple(k.shape),
+               tuple(v.shape), m, full_precision)
         cached = self._usable.get(key)
         if cached is not None:
             return cached
         usable, refusals = [], []
-        for path in decision.candidates:
-            if full_precision and path in LOSSY_PATHS:
+        for path in decision.candidates + extra:
+            if full_precision and (path in LOSSY_PATHS or extensions.is_lossy(path)):
                 refusals.append(f"{path}: full precision requested")
                 continue
-            ok, reason = kernels.attention_support(q, k, v, mask, backend=BACKEND_OF_PATH[path])
-            (usable.append(path) if ok else refusals.append(reason))
+            ok, reason = kernels.attention_support(q, k, v, mask, backend=BACKEND_OF_PATH.get(path, path))
+            if ok:
+                usable.append(path)
+            else:
+                refusals.append(f"{path}: {reason}" if extensions.is_extension_path(path) else reason)
         if len(self._usable) > 1024:
             self._usable.clear()
         self._usable[key] = (usable, refusals)
@@ -173,24 +193,44 @@ class AttentionOverride:
             return self._original(func, args, kwargs, str(e))
         q, k, v, mask = call["q"], call["k"], call["v"], call["mask"]
         decision = self.settings.decision_for(q.device)
-        if decision.path == PATH_PYTORCH:
+        extra = self._auto_extensions(q.device)
+        if decision.path == PATH_PYTORCH and not extra:
             return self._original(func, args, kwargs, decision.reason)
         full_precision = kwargs.get("low_precision_attention", True) is False
-        usable, refusals = self._usable_paths(decision, q, k, v, mask, full_precision)
+        usable, refusals = self._usable_paths(decision, q, k, v, mask, full_precision, extra)
+        if extra or extensions.is_extension_path(decision.path):
+            # An extension that failed at this signature before stays with ComfyUI's attention.
+            failed = {p: extensions.known_failure(p, q, k, v, mask)
+                      for p in usable if extensions.is_extension_path(p)}
+            usable = [p for p in usable if not failed.get(p)]
+            refusals = refusals + [f"{p} failed: {why}" for p, why in failed.items() if why]
         if not usable:
             return self._original(func, args, kwargs, "; ".join(refusals) or "no candidate path")
+        try:
+            return self._serve(func, args, kwargs, call, usable, measure=decision.measure or bool(extra))
+        except extensions.ExtensionCallError as e:
+            return self._original(func, args, kwargs, f"{e.path} failed: {e.reason}")
+
+    def _serve(self, func, args, kwargs, call: dict, usable: list, measure: bool):
+        """Run the call on the first usable path, or in auto on the one measured fastest."""
+        q, k, v, mask = call["q"], call["k"], call["v"], call["mask"]
 
         def runner(path):
-            backend = BACKEND_OF_PATH[path]
+            backend = BACKEND_OF_PATH.get(path, path)
 
             def run():
-                out = kernels.attention(q, k, v, attn_mask=mask, scale=call["scale"], backend=backend)
+                try:
+                    out = kernels.attention(q, k, v, attn_mask=mask, scale=call["scale"], backend=backend)
+                except BackendUnavailableError as e:
+                    if not extensions.is_extension_path(path):
+                        raise
+                    raise extensions.ExtensionCallError(path, e.reason) from e  # unregistered since
                 if call["skip_output_reshape"]:
                     return out
                 return out.transpose(1, 2).reshape(call["batch"], -1, call["heads"] * call["dim_head"])
             return run
 
-        if decision.measure and timed_on(q.device):
+        if measure and timed_on(q.device):
             facts = probe(q.device)
             cls = shape_class(q, k, mask)
             key = "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
@@ -200,8 +240,9 @@ class AttentionOverride:
                 known = _speed().known(key)
                 if known not in usable:
                     return self._original(func, args, kwargs, "auto: not measured yet (torch.compile)")
+                out = runner(known)()  # counted once served: an extension may still hand it back
                 call_stats.record("triton", path=known, model=self.label)
-                return runner(known)()
+                return out
 
             def original():
                 return (self.previous(func, *args, **kwargs) if self.previous is not None
@@ -219,10 +260,12 @@ class AttentionOverride:
                     return self._original(func, args, kwargs, AUTO_KEPT_ORIGINAL)
                 call_stats.record("original", AUTO_KEPT_ORIGINAL, model=self.label)
                 return out
+            out = out if out is not None else runner(choice)()
             call_stats.record("triton", path=choice, model=self.label)
-            return out if out is not None else runner(choice)()
+            return out
+        out = runner(usable[0])()
         call_stats.record("triton", path=usable[0], model=self.label)
-        return runner(usable[0])()
+        return out
 
 
 def patch_model(model, settings: AccelSettings | None = None):

@@ -8,6 +8,7 @@ import threading
 import torch
 
 from .device_probe import probe, summary
+from ..kernels import extensions
 from ..kernels.gpu_rules import LINEAR_MODES, MODES, PATH_LABEL, Decision, select_linear_method, select_path
 
 log = logging.getLogger("triton_accel")
@@ -59,8 +60,8 @@ class AccelSettings:
     """
 
     def __init__(self, mode: str = "auto", linear_mode: str = "auto"):
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+        if mode not in MODES and not extensions.is_extension_path(mode):
+            raise ValueError(f"unknown mode {mode!r}; expected one of {MODES} or 'ext:<name>'")
         if linear_mode not in LINEAR_MODES:
             raise ValueError(f"unknown Linear mode {linear_mode!r}; expected one of {LINEAR_MODES}")
         self.mode = mode
@@ -76,7 +77,7 @@ class AccelSettings:
             with self._lock:
                 decision = self._decisions.get(key)
                 if decision is None:
-                    decision = user_facing(select_path(probe(device), self.mode), self.mode)
+                    decision = user_facing(self._select(device), self.mode)
                     self._decisions[key] = decision
                     with _made_lock:
                         _decisions_made[(key, self.mode)] = decision
@@ -84,6 +85,13 @@ class AccelSettings:
                     # INFO line is written when the Settings / Patch node executes.
                     log.debug("Triton Accel on %s: %s", key, decision.reason)
         return decision
+
+    def _select(self, device) -> Decision:
+        if extensions.is_extension_path(self.mode):  # another pack's attention, forced
+            from ..kernels.device import describe
+
+            return extensions.forced_decision(self.mode, describe(device))
+        return select_path(probe(device), self.mode)
 
     def linear_decision_for(self, device, weight_is_fp8: bool = False) -> Decision:
         """The Linear method for `device` (gpu_rules.select_linear_method), remembered per device
@@ -154,6 +162,18 @@ def parse_device(text: str) -> torch.device | None:
     return device
 
 
+def mode_choices() -> list[str]:
+    """The mode dropdown: our modes, then "ext:<name>" for each attention other packs registered."""
+    return list(MODES) + list(extensions.paths_by_priority())
+
+
+def mode_labels() -> dict[str, str]:
+    labels = {m: MODE_LABELS.get(m, m) for m in MODES}
+    for entry in extensions.list_extensions():
+        labels[entry["path"]] = f"{entry['path']} ({entry['label']}, from {entry['pack']})"
+    return labels
+
+
 def describe_decision(settings: AccelSettings, device) -> str:
     facts = probe(device)
     decision = settings.decision_for(device)
@@ -210,13 +230,14 @@ class TritonAccelSettings:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "mode": (list(MODES), {
+                "mode": (mode_choices(), {
                     "default": "auto",
                     "tooltip": "auto: the fastest safe path for each GPU, timed against ComfyUI's own attention "
                                "so it is never slower. fp8 / int8 / fp16: force that Triton path (fp16 means "
                                "FP16 and BF16: the model's own precision). off: ComfyUI's attention, untouched. "
-                               "A forced mode the GPU cannot run says so on the node.",
-                    "triton_accel_labels": {m: MODE_LABELS.get(m, m) for m in MODES},
+                               "A forced mode the GPU cannot run says so on the node. ext:<name>: the attention "
+                               "another node pack registered (docs/extension_api.md), forced.",
+                    "triton_accel_labels": mode_labels(),
                 }),
             },
             "optional": {
@@ -236,10 +257,14 @@ class TritonAccelSettings:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, device=DEVICE_AUTO):
+    def VALIDATE_INPUTS(cls, mode="auto", device=DEVICE_AUTO):
         # Workflows saved while `device` was free text carry values the dropdown may not list
         # ("cuda:1" on a one-GPU machine, a typo): they run, and the node says what is wrong.
-        return True
+        # Likewise a saved "ext:<name>" whose pack is not installed here: the node says so and
+        # ComfyUI's attention runs. Any other mode is an error, as the dropdown's own check was.
+        if mode in MODES or extensions.is_extension_path(mode):
+            return True
+        return f"mode {mode!r} is not one of {', '.join(MODES)} or ext:<name>"
 
     def configure(self, mode: str, device: str = DEVICE_AUTO, linear: str = "auto"):
         settings = AccelSettings(mode, linear_mode=linear)

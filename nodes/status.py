@@ -21,7 +21,7 @@ import torch
 
 from .. import __version__ as PACK_VERSION
 from .. import kernels
-from ..kernels import gpu_rules
+from ..kernels import extensions, gpu_rules
 from . import call_stats
 from .device_probe import cached_facts, probe, summary
 from .settings import decisions_made, user_facing
@@ -193,19 +193,45 @@ def benchmark_status() -> dict:
             "chart_url": "/triton_accel/benchmark.png" if chart.exists() else None}
 
 
+def extensions_status(devices: list[torch.device], speed_rows: list[dict]) -> list[dict]:
+    """Other packs' attention implementations (kernels/extensions.py): what list_extensions()
+    gives, plus per device whether it may run there, whether a node forces it there and at how
+    many of auto's measured shape classes it was timed and kept."""
+    in_use = decisions_made()
+    out = []
+    for entry in extensions.list_extensions():
+        per_device = []
+        for device in devices:
+            where = str(device)
+            rows = [r for r in speed_rows
+                    if r.get("device") == where and entry["path"] in (r.get("timings_ms") or {})]
+            refusal = extensions.device_refusal(entry["path"], kernels.describe(device))
+            forced = any(dev == where and d.path == entry["path"] for (dev, _mode), d in in_use.items())
+            kept = sum(1 for r in rows if r.get("choice") == entry["path"])
+            # auto times (and so may choose an extension) on GPUs only: patch_attention.timed_on.
+            per_device.append({"device": where, "eligible": refusal is None, "refusal": refusal, "forced": forced,
+                               "auto_times_here": device.type == "cuda", "measured_shape_classes": len(rows),
+                               "kept_shape_classes": kept, "chosen": forced or kept > 0})
+        out.append({**entry, "devices": per_device})
+    return out
+
+
 def status_payload() -> dict:
     snapshot = call_stats.snapshot()
     measured = measurements()
+    devices = visible_devices()
     return {
         "version": STATUS_VERSION, "pack_version": PACK_VERSION,
         "triton_version": kernels.triton_version(), "torch_version": torch.__version__,
         "handed_back_label": call_stats.HANDED_BACK_LABEL,
-        "devices": [device_status(d) for d in visible_devices()],
+        "devices": [device_status(d) for d in devices],
         "models": models_status(snapshot, measured.get("rows", [])),
         "totals": {kind: _counts_for_people(c) for kind, c in snapshot["kinds"].items()},
         "measurements": measured,
         "install": install_health(),
         "benchmark": benchmark_status(),
+        "extensions": extensions_status(devices, measured.get("rows", [])),
+        "extension_api_version": extensions.API_VERSION,
     }
 
 
@@ -236,6 +262,7 @@ __all__ = [
     "STATUS_VERSION",
     "benchmark_status",
     "device_status",
+    "extensions_status",
     "install_health",
     "log_startup",
     "measurements",

@@ -4,7 +4,7 @@
 //   and in Nodes 2.0, kept with the workflow (node.properties) so a reload shows it again;
 // - mode labels that say what each stored value means (fp16 runs FP16 and BF16);
 // - the "Triton Accel" side panel: /triton_accel/status (devices, paths, per-model call counts,
-//   auto's measurements, install health, the last benchmark chart).
+//   auto's measurements, other packs' attention extensions, install health, the last benchmark chart).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -243,6 +243,43 @@ function renderMeasurements(root, status) {
     ])));
 }
 
+// Other packs' attention implementations (docs/extension_api.md): one box each, with its
+// constraints, its priority and, per device, whether it may run there and whether it is used.
+function renderExtensions(root, status) {
+    const list = status.extensions ?? [];
+    root.appendChild(el("h3", "Extensions"));
+    if (!list.length) {
+        root.appendChild(el("div", "No other pack registered an attention implementation.", "ta-muted"));
+        return;
+    }
+    for (const x of list) {
+        const box = el("div", null, "ta-box");
+        box.dataset.tritonAccelExtension = x.path;
+        box.appendChild(el("div", `${x.path}: ${x.label} (from ${x.pack}), priority ${x.priority}` +
+                                  (x.lossy ? ", lossy" : "")));
+        const c = x.constraints ?? {};
+        const caps = c.min_capability || c.max_capability ?
+            `, capability ${[c.min_capability, c.max_capability].map((v) => (v ? v.join(".") : "any")).join("–")}` : "";
+        box.appendChild(el("div", `devices ${(c.device_types ?? []).join(", ")}` +
+                                  (c.vendors ? ` (${c.vendors.join(", ")})` : "") + `${caps}, ` +
+                                  `${(c.dtypes ?? []).join("/")}, head dims ${(c.head_dims ?? []).join("–")}, ` +
+                                  `masks ${(c.masks ?? []).join("/")}${c.gqa ? ", GQA" : ""}${c.causal ? ", causal" : ""}`,
+                         "ta-muted"));
+        const handed = Object.entries(x.handed_back ?? {});
+        box.appendChild(el("div", `${x.served} calls served, ${handed.reduce((n, [, c]) => n + c, 0)} handed back`));
+        for (const [reason, calls] of handed) box.appendChild(el("div", `${calls}× ${reason}`, "ta-fix"));
+        for (const d of x.devices ?? []) {
+            const use = !d.eligible ? `cannot run: ${d.refusal}` :
+                d.forced ? "forced by a Settings node" :
+                d.measured_shape_classes ? `auto kept it at ${d.kept_shape_classes} of ${d.measured_shape_classes} shape classes` :
+                d.auto_times_here === false ? `may run; auto does not time on this device (mode ${x.path} forces it)` :
+                "not timed by auto yet";
+            box.appendChild(el("div", `${d.device}: ${use}`));
+        }
+        root.appendChild(box);
+    }
+}
+
 function renderInstall(root, status) {
     const install = status.install ?? {};
     root.appendChild(el("h3", "Install health"));
@@ -304,7 +341,8 @@ async function renderPanel(root) {
     content.appendChild(el("div", `Triton Accel ${status.pack_version} · Triton ${status.triton_version ?? "not installed"}` +
                                   ` · torch ${status.torch_version}`));
     content.appendChild(refresh);
-    for (const section of [renderDevices, renderModels, renderMeasurements, renderInstall, renderBenchmark]) {
+    for (const section of [renderDevices, renderModels, renderMeasurements, renderExtensions, renderInstall,
+                           renderBenchmark]) {
         section(content, status);
     }
     root.replaceChildren(content);
