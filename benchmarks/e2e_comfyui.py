@@ -24,8 +24,15 @@ cosine of its output against the default's, the first call's time (auto's timing
 weight quantisation happen there) and the peak GPU memory.
 
     python benchmarks/e2e_comfyui.py --comfyui .ext/ComfyUI-0.29.0 [--models flux wan] [--tiny]
+        [--dynamic-vram]
 
 --tiny builds two-block models for a CPU smoke run (use TRITON_INTERPRET=1 there).
+--dynamic-vram runs every variant under ComfyUI 0.29+'s dynamic VRAM, switched on the way
+its main.py does (comfy_aimdo.control.init before torch loads, init_devices, CoreModelPatcher =
+ModelPatcherDynamic, memory_management.aimdo_enabled): the models' weights live on the CPU and
+each Linear layer's weight is cast per call from a virtual VRAM buffer. Needs CUDA and
+comfy-aimdo (ComfyUI 0.29's requirements.txt), and says so when either is missing. The rows
+then show how many Linear calls our kernels served under it ("fp8_w8a8 (dynamic VRAM)").
 """
 from __future__ import annotations
 
@@ -73,12 +80,68 @@ def load_pack(name="triton_accel_bench"):
     return module
 
 
-def build(spec, dtype, device, weights="bf16"):
+def start_aimdo() -> object:
+    """comfy_aimdo.control after its init(), as ComfyUI's main.py calls it before torch is
+    imported (aimdo takes over the CUDA allocations torch makes). SystemExit when missing."""
+    if "torch" in sys.modules:
+        raise SystemExit("dynamic VRAM: comfy_aimdo must be started before torch is imported")
+    try:
+        import comfy_aimdo.control
+    except ImportError as e:
+        raise SystemExit(f"dynamic VRAM needs comfy-aimdo (ComfyUI 0.29's requirements.txt pins it): {e}") from None
+    try:
+        started = comfy_aimdo.control.init()
+    except Exception as e:
+        raise SystemExit(f"dynamic VRAM: comfy_aimdo.control.init() failed: {type(e).__name__}: {e}") from None
+    if not started:
+        raise SystemExit("dynamic VRAM: comfy_aimdo.control.init() could not load its library (NVIDIA/AMD on "
+                         "Linux or Windows only)")
+    return comfy_aimdo.control
+
+
+def enable_dynamic_vram(aimdo_control) -> None:
+    """What ComfyUI 0.29's main.py does once comfy is imported: aimdo on every torch device,
+    ModelPatcherDynamic as the core patcher, aimdo_enabled. SystemExit when it cannot."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("dynamic VRAM needs a CUDA GPU (comfy-aimdo manages CUDA memory); none is visible")
+    import comfy.memory_management
+    import comfy.model_management
+    import comfy.model_patcher
+
+    if not hasattr(comfy.model_patcher, "ModelPatcherDynamic"):
+        raise SystemExit("dynamic VRAM needs ComfyUI 0.29 or later (no ModelPatcherDynamic in this ComfyUI)")
+    devices = comfy.model_management.get_all_torch_devices()
+    try:
+        ok = aimdo_control.init_devices((d.index, 0) for d in devices)
+    except TypeError:  # comfy-aimdo 0.4.9's protocol, as main.py handles it
+        ok = aimdo_control.init_devices(d.index for d in devices)
+    if not ok:
+        raise SystemExit("dynamic VRAM: comfy_aimdo.control.init_devices() refused the GPUs")
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+    print(f"dynamic VRAM on (comfy-aimdo) for {[str(d) for d in devices]}", flush=True)
+
+
+def make_patcher(model, device, dynamic_vram: bool):
+    """The ModelPatcher ComfyUI's loader would make: under dynamic VRAM the weights go to the
+    offload device (the CPU) and ModelPatcherDynamic streams them; otherwise they stay on `device`."""
+    import torch
+    import comfy.model_patcher
+
+    if not dynamic_vram:
+        return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
+    model.to("cpu")  # built and initialised on the GPU (fast), kept where ComfyUI keeps it
+    torch.cuda.empty_cache()
+    return comfy.model_patcher.ModelPatcherDynamic(model, load_device=device, offload_device=torch.device("cpu"))
+
+
+def build(spec, dtype, device, weights="bf16", dynamic_vram=False):
     """weights: "bf16" (dtype), "fp8-fast" (ComfyUI's fp8_e4m3fn_fast: FP8 weights and its
     FP8 matmul ops) or "fp8" (weight_dtype fp8_e4m3fn: FP8 weights upcast per call)."""
     import torch
     import comfy.model_detection
-    import comfy.model_patcher
 
     config = comfy.model_detection.model_config_from_unet_config(dict(spec["unet"]))
     assert config is not None, f"ComfyUI does not recognise {spec['unet']['image_model']}"
@@ -102,8 +165,8 @@ def build(spec, dtype, device, weights="bf16"):
                 p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02).to(p.dtype))
     model.to(device)
     model.eval()
-    patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
-    return patcher
+    model.requires_grad_(False)  # as ComfyUI's loaders leave them (LoRA merging rounds in place)
+    return make_patcher(model, device, dynamic_vram)
 
 
 def inputs(spec, dtype, device):
@@ -195,7 +258,7 @@ def patch_ours(base, attention_mode, linear_mode):
     return patched
 
 
-def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref):
+def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -235,6 +298,10 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref):
         comfy.model_management.load_models_gpu([patcher], force_full_load=True)
         with ctx:
             ms, out, first_ms = time_steps(step_fn(patcher, x, t, context, kwargs), steps, device)
+        # Everything on the GPU, the VBAR's resident weights included (aimdo allocates those
+        # outside torch's allocator, so max_memory_allocated does not see them).
+        free, total = torch.cuda.mem_get_info() if device.type == "cuda" else (0, 0)
+        device_used = (total - free) / 2**30 if device.type == "cuda" else float("nan")
     except Exception as e:  # one broken variant must not lose the others' numbers
         print(f"[{name}] {variant}: FAILED {e}", flush=True)
         return dict(model=name, variant=variant, error=f"{type(e).__name__}: {e}"[:300])
@@ -246,14 +313,19 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref):
     cos = torch.nn.functional.cosine_similarity(out.flatten(), base_out.flatten(), dim=0).item()
     snap = call_stats.snapshot()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    linear = snap.get("kinds", {}).get("linear", {})
+    if dynamic_vram and variant in OURS and OURS[variant][1] is not None and not linear.get("served"):
+        print(f"[{name}] {variant}: WARNING no Linear call served under dynamic VRAM: {linear.get('reasons')}",
+              flush=True)
     row = dict(model=name, variant=variant, ms_per_step=ms, rel_l2_vs_default=diff, cosine_vs_default=cos,
-               first_call_ms=first_ms, peak_gib=peak, finite=bool(torch.isfinite(out).all()),
+               first_call_ms=first_ms, peak_gib=peak, device_used_gib=device_used, finite=bool(torch.isfinite(out).all()),
                calls={kind: f"{c['served']} ours/{c['handed_back']} back" for kind, c in snap.get("kinds", {}).items()},
                paths=snap["paths"], linear_paths=snap.get("kinds", {}).get("linear", {}).get("paths", {}),
                linear_reasons=snap.get("kinds", {}).get("linear", {}).get("reasons", {}),
                kernel_calls=dict(kernel_stats.counts()), out=out)
     print(f"[{name}] {variant}: {ms:.1f} ms/step (first call {first_ms:.0f} ms), rel L2 {diff:.2e}, "
-          f"cos {cos:.6f}, peak {peak:.1f} GiB, calls {row['calls']}", flush=True)
+          f"cos {cos:.6f}, peak {peak:.1f} GiB (device {device_used:.1f} GiB in use), calls {row['calls']} "
+          f"{row['linear_paths']}", flush=True)
     del patcher
     return row
 
@@ -292,16 +364,22 @@ def main():
     ap.add_argument("--benchmark-node", action="store_true",
                     help="also run the TritonAccelBenchmark node (settings auto) on each bf16 model; its JSON and "
                          "chart go to OUT/benchmark_node_<model>/")
+    ap.add_argument("--dynamic-vram", action="store_true",
+                    help="run under ComfyUI 0.29+'s dynamic VRAM (comfy-aimdo, ModelPatcherDynamic; weights on the "
+                         "CPU, streamed per call), as ComfyUI starts by default on NVIDIA; needs CUDA and comfy-aimdo")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "benchmarks" / "results")))
     args = ap.parse_args()
 
     sys.path.insert(0, args.comfyui)
+    aimdo = start_aimdo() if args.dynamic_vram else None
     import torch
 
     import comfy.cli_args
 
     if not torch.cuda.is_available():
         comfy.cli_args.args.cpu = True  # model_management asks CUDA for its device at import
+    if args.dynamic_vram:
+        enable_dynamic_vram(aimdo)
     pack = load_pack()
 
     os.environ.setdefault("TRITON_ACCEL_CACHE_DIR", str(Path(args.out) / "cache"))
@@ -319,11 +397,12 @@ def main():
             if not todo:
                 continue
             t_build = time.perf_counter()
-            base = build(spec, dtype, device, weights)
+            base = build(spec, dtype, device, weights, args.dynamic_vram)
             x, t, context, kwargs = inputs(spec, dtype, device)
             print(f"[{name}] built ({weights}) in {time.perf_counter() - t_build:.1f} s", flush=True)
             for variant in todo:
-                row = run_variant(name, variant, base, x, t, context, kwargs, args.steps, device, ref)
+                row = run_variant(name, variant, base, x, t, context, kwargs, args.steps, device, ref,
+                                  args.dynamic_vram)
                 results.append(row)
                 if ref is None and "out" in row:
                     ref = row["out"]
@@ -335,9 +414,10 @@ def main():
                 torch.cuda.empty_cache()
 
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                triton=pack.kernels.triton_version(), dtype=str(dtype), steps=args.steps, tiny=args.tiny)
+                triton=pack.kernels.triton_version(), dtype=str(dtype), steps=args.steps, tiny=args.tiny,
+                dynamic_vram=args.dynamic_vram)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "e2e_comfyui.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    (Path(args.out) / ("e2e_comfyui_dynamic_vram.json" if args.dynamic_vram else "e2e_comfyui.json")).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     print(f"\n{meta}")
     print(f"{'model':6} {'variant':15} {'ms/step':>9} {'vs default':>10} {'rel L2':>9} {'cosine':>9} "
           f"{'first ms':>9} {'peak GiB':>8}  calls")

@@ -198,7 +198,8 @@ class JsonCache:
         self._entries: dict | None = None
         self._unsaved: dict = {}  # put() since the last successful write
         self._memory_only = False
-        _live.add(self)
+        with _live_lock:
+            _live.add(self)
 
     @property
     def path(self) -> Path:
@@ -321,11 +322,17 @@ class JsonCache:
 
 
 _live: weakref.WeakSet[JsonCache] = weakref.WeakSet()
+# A WeakSet is iterated in Python code: a cache made on one thread (auto's first attention call
+# in a sampling thread) while another copies the set (clear_caches) raises "Set changed size
+# during iteration" without this lock.
+_live_lock = threading.Lock()
 
 
 def clear_memory_copies() -> None:
     """Every live JsonCache forgets its memory copy (the files stay)."""
-    for cache in list(_live):
+    with _live_lock:
+        caches = list(_live)
+    for cache in caches:
         cache.clear()
 
 

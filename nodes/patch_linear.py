@@ -7,7 +7,7 @@ How, and why this way:
   ComfyUI installs when that clone is loaded and restores when it is unloaded. The input model
   and every other clone keep ComfyUI's Linear.
 - A call is ours only when the layer's weight is a plain tensor on the input's device with no
-  on-the-fly patch. Everything else (weights offloaded by low-VRAM / partial loading,
+  on-the-fly patch, or one ComfyUI's dynamic VRAM streams (below). Everything else (weights offloaded by low-VRAM / partial loading,
   weight_function / bias_function (LoRA applied per call in low-VRAM mode), ComfyUI's own
   QuantizedTensor layers, unsupported dtypes, too few tokens, skip patterns) goes to the
   layer's original forward, counted per reason in call_stats (kind "linear").
@@ -18,6 +18,9 @@ How, and why this way:
   an in-place merge goes through `param.data.copy_`, which bumps no version counter.
 - FP8 checkpoint weights (float8_e4m3fn, with `scale_weight` when scaled) go to the kernels
   as they are.
+- ComfyUI 0.29+'s dynamic VRAM (weights streamed per call from a virtual VRAM buffer): the
+  call takes its weight from ComfyUI's own cast, LoRA and weight functions applied there, and
+  keeps nothing (section "dynamic VRAM" below; the `dynamic_vram` input chooses per model).
 - Quality guard: the first call of each layer on each weight version runs both ways and
   compares; NaN/Inf or a rel. L2 above GUARD_MAX_REL_L2 sends that layer back to ComfyUI's
   Linear for good (per device), shown by the Settings node and the stats route.
@@ -32,6 +35,7 @@ import re
 import sys
 import threading
 import time
+import types
 import weakref
 from dataclasses import dataclass
 
@@ -90,6 +94,16 @@ REASON_OFFLOADED = "weights not on the input's device (low-VRAM offload / partia
 REASON_DYNAMIC_VRAM = ("weights streamed by ComfyUI's dynamic VRAM (start ComfyUI with --disable-dynamic-vram "
                        "or --highvram to keep them resident)")
 REASON_SHAPE = "input features do not match the weight"
+# The `dynamic_vram` choice per model: what a call whose weight ComfyUI streams gets.
+DYNAMIC_VRAM_AUTO = "auto"  # FP8 weights as they are, 16/32-bit weights quantised per call
+DYNAMIC_VRAM_FP8_WEIGHTS = "fp8_weights_only"  # FP8 weights only; the others go to ComfyUI
+DYNAMIC_VRAM_OFF = "off"  # every streamed call goes to ComfyUI (the behaviour before 0.29 support)
+DYNAMIC_VRAM_MODES = (DYNAMIC_VRAM_AUTO, DYNAMIC_VRAM_FP8_WEIGHTS, DYNAMIC_VRAM_OFF)
+REASON_STREAMED_PER_CALL_OFF = ("16/32-bit weights streamed by dynamic VRAM: per-call FP8 quantisation is off for this "
+                                "model (dynamic_vram 'fp8_weights_only'; it costs one layer's FP8 copy and a pass "
+                                "over the weight per call)")
+REASON_DYNAMIC_VRAM_OFF = "weights streamed by ComfyUI's dynamic VRAM: this model's dynamic_vram is 'off'"
+REASON_STREAMED_COMPILING = "weights streamed by dynamic VRAM: torch.compile traces ComfyUI's own cast"
 REASON_GUARD = "quality guard: this layer's output differed from ComfyUI's (see linear_fallbacks)"
 REASON_KERNEL_ERROR = "our kernel raised an error on this layer (see the log)"
 REASON_COMPILING = "weights not prepared yet (torch.compile traces the first call)"
@@ -147,12 +161,17 @@ class LinearBackend:
     run: object  # linear(x, prepared, bias, out_dtype) -> Tensor
     refusal: object  # linear_refusal(method, device, dtype) -> str | None
     input_error: type = ValueError  # what `prepare` raises for a weight it cannot take
+    # prepare_weight_per_call(weight, method, weight_scale): for a weight used by one call only
+    # (dynamic VRAM); None: `prepare` serves those too.
+    prepare_per_call: object = None
 
 
 def default_backend() -> LinearBackend:
     from .. import kernels
+    from ..kernels.linear import prepare_weight_per_call
 
-    return LinearBackend(kernels.prepare_weight, kernels.linear, kernels.linear_refusal, kernels.LinearInputError)
+    return LinearBackend(kernels.prepare_weight, kernels.linear, kernels.linear_refusal, kernels.LinearInputError,
+                         prepare_weight_per_call)
 
 
 # ---- per-layer state ------------------------------------------------------------------------
@@ -212,6 +231,7 @@ class LinearLayer:
         pattern = state.skip.match(name)
         self.skip_reason = f"name matches skip pattern {pattern!r}" if pattern else None
         self.entries: dict[str, PreparedEntry] = {}  # per device
+        self.streamed: dict[str, StreamedEntry] = {}  # per device: guard state of calls under dynamic VRAM
         self.fallbacks: dict[str, str] = {}  # device -> why this layer runs ComfyUI's Linear for good
 
     def __deepcopy__(self, memo):
@@ -225,6 +245,8 @@ class LinearLayer:
         compiling = _is_compiling()
         if not compiling and self.state.interrupt_check is not None:
             self.state.interrupt_check()  # what ComfyUI's Linear.forward does first (Cancel)
+        if len(args) == 1 and not kwargs and self.state.weight_cast.streams(self.module, args[0]):
+            return streamed_call(self, args[0], compiling)
         try:
             if len(args) != 1 or kwargs:
                 raise HandBack(REASON_ARGUMENTS)
@@ -247,8 +269,9 @@ class LinearLayer:
         # ComfyUI casts the bias to the input's dtype (cast_bias_weight's bias_dtype) too.
         return None if bias is None else bias.to(x.dtype)
 
-    def check_call(self, x, min_tokens: int) -> None:
-        """HandBack unless this call's input and weights are ours to serve (cheap checks only)."""
+    def check_call(self, x, min_tokens: int, streamed: bool = False) -> None:
+        """HandBack unless this call's input and weights are ours to serve (cheap checks only).
+        streamed: the weight comes from ComfyUI's dynamic-VRAM cast, not from module.weight."""
         if self.skip_reason:
             raise HandBack(self.skip_reason)
         if type(x) is not torch.Tensor:
@@ -257,13 +280,18 @@ class LinearLayer:
         weight = module.weight
         if _is_quantized_layer(module, weight):
             raise HandBack(REASON_QUANTIZED)
-        if len(getattr(module, "weight_function", ())) or len(getattr(module, "bias_function", ())):
+        # A streamed weight has its _function lists applied by ComfyUI's cast (post_cast in
+        # resolve_cast_module_with_vbar) when asked for in the compute dtype; asked for as FP8
+        # they would run on e4m3 values, so FP8 weights with them go back (ComfyUI's own FP8
+        # Linear does the same).
+        if ((len(getattr(module, "weight_function", ())) or len(getattr(module, "bias_function", ())))
+                and (not streamed or weight.dtype == torch.float8_e4m3fn)):
             raise HandBack(REASON_WEIGHT_FUNCTION)
         fallback = self.fallbacks.get(str(x.device))
         if fallback is not None:
             raise HandBack(REASON_GUARD if fallback.startswith("quality guard") else REASON_KERNEL_ERROR)
         bias = module.bias
-        if weight.device != x.device or (bias is not None and bias.device != x.device):
+        if not streamed and (weight.device != x.device or (bias is not None and bias.device != x.device)):
             raise HandBack(REASON_DYNAMIC_VRAM if hasattr(module, "_v") else REASON_OFFLOADED)
         if x.dtype not in INPUT_DTYPES:
             raise HandBack(f"input dtype {x.dtype} is not float16/bfloat16/float32")
@@ -278,14 +306,27 @@ class LinearLayer:
 # ---- per-model state ------------------------------------------------------------------------
 
 _live_states: weakref.WeakSet[LinearPatchState] = weakref.WeakSet()
+# Iterating a WeakSet runs Python code: a state made on one thread (a patch node, a MultiGPU
+# clone's state) while another lists the states (the Settings node, the stats route) raises
+# "Set changed size during iteration" without this lock.
+_live_states_lock = threading.Lock()
+# A model's attribute holding, per patch state, that state's copy for this model (MultiGPU
+# clones): kept on the model so the copy, whose layers hold the model's modules, dies with it.
+_MODEL_STATES_ATTR = "_triton_accel_linear_states"
+_model_states_lock = threading.Lock()
 
 
 class LinearPatchState:
     """Everything one patched model shares: settings, layers, prepared weights, guard results."""
 
     def __init__(self, settings: AccelSettings, skip: SkipPatterns, min_tokens: int = MIN_TOKENS,
-                 backend: LinearBackend | None = None, label: str | None = None):
+                 backend: LinearBackend | None = None, label: str | None = None,
+                 dynamic_vram: str = DYNAMIC_VRAM_AUTO, weight_cast: ComfyWeightCast | None = None):
+        if dynamic_vram not in DYNAMIC_VRAM_MODES:
+            raise ValueError(f"dynamic_vram must be one of {DYNAMIC_VRAM_MODES}; got {dynamic_vram!r}")
         self.settings = settings
+        self.dynamic_vram = dynamic_vram
+        self.weight_cast = weight_cast or ComfyWeightCast()
         self.skip = skip
         self.min_tokens = int(min_tokens)
         self.few_tokens_reason = f"fewer than {self.min_tokens} tokens: quantising cannot pay"
@@ -296,7 +337,14 @@ class LinearPatchState:
         self.interrupt_check = None
         self._refusals: dict[tuple, str | None] = {}
         self._lock = threading.RLock()
-        _live_states.add(self)
+        with _live_states_lock:
+            _live_states.add(self)
+
+    # Prepared weights are GPU memory: a deep copy of whatever holds this state (a callback
+    # list, say) must share it, never copy it. MultiGPU clones get their own state through
+    # on_multigpu_clone instead.
+    def __deepcopy__(self, memo):
+        return self
 
     # -- what serves a call
     def method_for(self, device: torch.device, weight: torch.Tensor) -> str:
@@ -427,6 +475,65 @@ class LinearPatchState:
         log.warning("Triton Accel Linear: %s on %s goes back to ComfyUI's Linear for good: %s",
                     layer.name, device, reason)
 
+    # -- ComfyUI's MultiGPU work units (MultiGPU CFG Split, ComfyUI 0.29+)
+    def on_multigpu_clone(self, source, clone) -> None:
+        """ComfyUI's ON_DEEPCLONE_MULTIGPU and ON_MATCH_MULTIGPU_CLONES callbacks.
+
+        `clone` carries another copy of the model, loaded on another GPU, but its object patches
+        and callbacks are copies of `source`'s: this state's layers, which wrap `source`'s
+        modules. Left so, the other GPU's calls would run the first GPU's weights (handed back
+        as offloaded, or copied over per call). They are pointed at a state of the clone's own
+        model instead: its own modules, prepared weights on its own device, its own guard."""
+        state = self.state_for_model(getattr(clone, "model", None))
+        if state is self:
+            return
+        layers = {layer.name: layer for layer in state.layers} if state is not None else {}
+        for key, value in list(clone.object_patches.items()):
+            if isinstance(value, LinearLayer) and value.state is self:
+                if value.name in layers:
+                    clone.object_patches[key] = layers[value.name]
+                else:  # not a Linear layer in the clone's model: ComfyUI's own forward serves it
+                    del clone.object_patches[key]
+        for by_key in getattr(clone, "callbacks", {}).values():
+            callbacks = by_key.get(CALLBACK_KEY, [])
+            for i, callback in enumerate(callbacks):
+                if getattr(callback, "__self__", None) is self:
+                    callbacks[i] = getattr(state, callback.__name__) if state is not None else _no_callback
+        if state is not None:
+            state.weights_token = getattr(clone, "patches_uuid", None)
+            clone.triton_accel_linear = state
+
+    def state_for_model(self, base_model) -> LinearPatchState | None:
+        """This patch's state for `base_model` (self for the model it was made on), made once per
+        model and kept on it: a MultiGPU clone's model is reused from one sampling run to the next,
+        and so are its prepared weights. None when the model has no diffusion_model."""
+        diffusion_model = getattr(base_model, "diffusion_model", None)
+        if diffusion_model is None:
+            return None
+        if not self.layers or _submodule(diffusion_model, self.layers[0].name) is self.layers[0].module:
+            return self
+        with _model_states_lock:
+            states = base_model.__dict__.get(_MODEL_STATES_ATTR)
+            if states is None:
+                states = base_model.__dict__[_MODEL_STATES_ATTR] = weakref.WeakKeyDictionary()
+            state = states.get(self)
+            if state is None:
+                state = states[self] = self._copy_for(diffusion_model)
+            return state
+
+    def _copy_for(self, diffusion_model) -> LinearPatchState:
+        state = LinearPatchState(self.settings, self.skip, self.min_tokens, self.backend, self.label,
+                                 self.dynamic_vram, self.weight_cast)
+        state.interrupt_check = self.interrupt_check
+        for layer in self.layers:
+            module = _submodule(diffusion_model, layer.name)
+            if module is not None and is_linear_module(module):
+                state.layers.append(LinearLayer(state, layer.name, module, _rebound(layer.previous, layer.module,
+                                                                                    module)))
+        log.info("Triton Accel Linear (%s): %d Linear layers of a MultiGPU clone patched", self.label,
+                 len(state.layers))
+        return state
+
     # -- lifetime
     def on_load(self, patcher, *args, **kwargs) -> None:
         """ComfyUI's ON_LOAD callback: weights may have been re-patched (a LoRA, in place)."""
@@ -451,6 +558,25 @@ class LinearPatchState:
                 for layer in self.layers for device, reason in layer.fallbacks.items()]
 
 
+def _submodule(root: torch.nn.Module, name: str):
+    try:
+        return root.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _rebound(previous, old_module, new_module):
+    """The forward a clone's layer hands back to: ComfyUI's forward bound to the clone's module
+    where the original was bound to the original's; another node's patch as it is."""
+    if isinstance(previous, types.MethodType) and previous.__self__ is old_module:
+        return types.MethodType(previous.__func__, new_module)
+    return previous
+
+
+def _no_callback(*args, **kwargs) -> None:
+    """Stands in for a callback of a state that has no copy for a clone's model."""
+
+
 def guard_failure(ours: torch.Tensor, reference: torch.Tensor, max_rel_l2: float) -> str | None:
     """Why `ours` is not an acceptable stand-in for `reference`, or None."""
     if ours.shape != reference.shape:
@@ -470,7 +596,9 @@ def guard_failure(ours: torch.Tensor, reference: torch.Tensor, max_rel_l2: float
 
 def fallback_report() -> list[dict]:
     """Every layer the quality guard (or a kernel error) sent back, in every live patched model."""
-    return [row for state in list(_live_states) for row in state.fallback_report()]
+    with _live_states_lock:
+        states = list(_live_states)
+    return [row for state in states for row in state.fallback_report()]
 
 
 def fallback_summary(limit: int = 5) -> str:
@@ -486,6 +614,172 @@ def fallback_summary(limit: int = 5) -> str:
     return "\n".join(lines)
 
 
+# ---- dynamic VRAM: weights ComfyUI streams per call ------------------------------------------
+#
+# ComfyUI 0.29+ with comfy-aimdo (its default on NVIDIA) keeps a layer's parameters on the CPU
+# and hands each call its weight through comfy.ops.cast_bias_weight: a view of the layer's slot
+# in a virtual VRAM buffer (VBAR, `module._v`), resident while VRAM allows, else a transient cast
+# buffer. LoRA is applied there (weight_lowvram_function, then written back into the VBAR:
+# update_weight) and so are the weight_function / bias_function lists (post_cast). So a
+# streamed call takes its weight from that cast exactly as ComfyUI's Linear does
+# (offloadable=True, and uncast_bias_weight after the kernel, which unpins the VBAR slot and
+# makes the offload stream wait for the kernel), and keeps nothing between calls:
+# - float8_e4m3fn weights are asked for in their stored dtype: the VBAR view feeds the FP8 GEMM
+#   with no upcast and no copy. With a LoRA the cast that applies it (the first after a load,
+#   or every one when the VBAR has no room) returns the patched weight in the input's dtype, as
+#   ComfyUI's own Linear gets it (want_requant off: its requantisation is stochastic, per
+#   tensor), and writes the rounded FP8 copy into the VBAR for the calls after; that call is
+#   quantised per channel like a 16-bit weight. A `scale_weight` (scaled FP8) is applied either way;
+# - 16/32-bit weights come in the input's dtype and are quantised per call into a transient
+#   buffer: one layer's FP8 weight of memory, and about 3 bytes of traffic per weight element
+#   against the GEMM's 2 x rows flops per element; on the H200 (4 TB/s; FP8 ~1100 against BF16
+#   ~690 TFLOP/s) that is paid back from about 700 rows, below min_tokens' 1024.
+# The quality guard runs on the first call of each weight version (LoRA: patches_uuid), with
+# ComfyUI's forward (its own cast and uncast) as the reference, run after ours has uncast: one
+# layer is never cast twice at once.
+
+class ComfyWeightCast:
+    """The ComfyUI calls of a streamed layer (a seam: tests hand LinearPatchState a fake)."""
+
+    def streams(self, module, x) -> bool:
+        """ComfyUI streams this layer's weight for this call (cast_bias_weight's VBAR branch:
+        a VBAR slot, a CUDA input and the parameters elsewhere)."""
+        if not hasattr(module, "_v") or not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+            return False
+        weight = getattr(module, "weight", None)
+        return isinstance(weight, torch.Tensor) and weight.device != x.device
+
+    def cast(self, module, x: torch.Tensor, weight_dtype: torch.dtype):
+        """(weight in weight_dtype, bias in x's dtype, handle for uncast), on x's device."""
+        import comfy.ops
+
+        if weight_dtype == x.dtype:  # exactly ComfyUI's Linear.forward_comfy_cast_weights
+            return comfy.ops.cast_bias_weight(module, x, offloadable=True)
+        # A LoRA is applied in x's dtype, as for ComfyUI's Linear, and the weight written back
+        # into the VBAR is the one ComfyUI's Linear would write (same rounding, same seed).
+        return comfy.ops.cast_bias_weight(module, x, dtype=weight_dtype, device=x.device, bias_dtype=x.dtype,
+                                          offloadable=True, compute_dtype=x.dtype)
+
+    def uncast(self, module, weight, bias, handle) -> None:
+        import comfy.ops
+
+        comfy.ops.uncast_bias_weight(module, weight, bias, handle)
+
+
+@dataclass
+class StreamedEntry:
+    key: tuple  # (method, weights_token, stored weight dtype): a new key runs the guard again
+    guarded: bool = False
+    refusal: str | None = None  # the kernels cannot take this weight (its shape): ComfyUI serves it
+
+
+FP8_METHODS = (LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY)
+
+
+def _streamed_plan(layer: LinearLayer, x: torch.Tensor, compiling: bool) -> tuple[str, torch.dtype, StreamedEntry]:
+    """(method, dtype to ask ComfyUI's cast for, guard entry), or HandBack: every check that
+    needs no cast."""
+    state = layer.state
+    if state.dynamic_vram == DYNAMIC_VRAM_OFF:
+        raise HandBack(REASON_DYNAMIC_VRAM_OFF)
+    if compiling:
+        raise HandBack(REASON_STREAMED_COMPILING)
+    layer.check_call(x, state.min_tokens, streamed=True)
+    weight = layer.module.weight
+    stored_fp8 = weight.dtype == torch.float8_e4m3fn
+    if not stored_fp8 and state.dynamic_vram == DYNAMIC_VRAM_FP8_WEIGHTS:
+        raise HandBack(REASON_STREAMED_PER_CALL_OFF)
+    method = state.method_for(x.device, weight)
+    refusal = state.refusal(method, x.device, x.dtype)
+    if refusal:
+        raise HandBack(refusal)
+    key = (method, state.weights_token, weight.dtype)
+    entry = layer.streamed.get(str(x.device))
+    if entry is None or entry.key != key:
+        with state._lock:
+            entry = layer.streamed.get(str(x.device))
+            if entry is None or entry.key != key:
+                entry = layer.streamed[str(x.device)] = StreamedEntry(key)
+    if entry.refusal:
+        raise HandBack(entry.refusal)
+    return method, weight.dtype if stored_fp8 and method in FP8_METHODS else x.dtype, entry
+
+
+def _with_stored_scale(module, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, scale for the kernels): a scaled-FP8 layer's `scale_weight` goes with an e4m3
+    weight as it is, and is applied, as ComfyUI's scaled layers apply it, to one the cast
+    returned in a float dtype (in stored units: upcast, or LoRA'd)."""
+    scale = getattr(module, "scale_weight", None) if module.weight.dtype == torch.float8_e4m3fn else None
+    if scale is None:
+        return weight, None
+    scale = scale.detach().to(weight.device)
+    if weight.dtype == torch.float8_e4m3fn:
+        return weight, scale
+    per_channel = scale.numel() > 1
+    return weight * (scale.reshape(-1, 1) if per_channel else scale.reshape(())).to(weight.dtype), None
+
+
+def _run_streamed(layer: LinearLayer, x: torch.Tensor, method: str, weight_dtype, entry: StreamedEntry):
+    """Our kernel on the weight ComfyUI's cast hands over (None when the kernels refuse that
+    weight: entry.refusal says why). The cast is undone whatever happens."""
+    state, module = layer.state, layer.module
+    weight, bias, handle = state.weight_cast.cast(module, x, weight_dtype)
+    try:
+        weight, scale = _with_stored_scale(module, weight.detach())
+        prepare = state.backend.prepare_per_call or state.backend.prepare
+        try:
+            prepared = prepare(weight.detach(), method, scale)
+        except state.backend.input_error as e:
+            entry.refusal = str(getattr(e, "reason", e))
+            return None
+        return state.backend.run(x, prepared, bias, x.dtype)
+    finally:
+        state.weight_cast.uncast(module, weight, bias, handle)
+
+
+def streamed_call(layer: LinearLayer, x: torch.Tensor, compiling: bool):
+    """One call of a layer whose weight ComfyUI's dynamic VRAM streams."""
+    state = layer.state
+    try:
+        method, weight_dtype, entry = _streamed_plan(layer, x, compiling)
+    except HandBack as e:
+        return layer._original((x,), {}, str(e))
+    # A guarded call may run ours twice: the first cast of a layer with a LoRA can write a
+    # rounded copy of the patched weight back into the VBAR (update_weight: stochastic rounding
+    # of an FP8 weight, ~5 % per element), which the reference then reads; ours runs again on
+    # that weight before a disagreement is held against the kernel.
+    reference = failure = None
+    for _ in range(1 if entry.guarded else 2):
+        try:
+            out = _run_streamed(layer, x, method, weight_dtype, entry)
+        except Exception as e:  # any kernel failure: ComfyUI's Linear serves the layer from now on
+            state.fall_back(layer, x.device, f"kernel error: {type(e).__name__}: {e}")
+            return _streamed_hand_back(layer, x, reference, REASON_KERNEL_ERROR)
+        if out is None:
+            return _streamed_hand_back(layer, x, reference, entry.refusal)
+        if entry.guarded:
+            break
+        reference = layer.previous(x) if reference is None else reference
+        failure = guard_failure(out, reference, GUARD_MAX_REL_L2[method])
+        if failure is None:
+            entry.guarded = True
+            break
+    else:
+        entry.guarded = True
+        state.fall_back(layer, x.device, f"quality guard ({method}): {failure}")
+        return _streamed_hand_back(layer, x, reference, REASON_GUARD)
+    call_stats.record(call_stats.OUTCOME_SERVED, path=f"{method} (dynamic VRAM)", kind=KIND, model=state.label)
+    return out
+
+
+def _streamed_hand_back(layer: LinearLayer, x: torch.Tensor, reference, reason: str):
+    """ComfyUI's output for this call: the guard's reference when it ran, else its forward."""
+    if reference is None:
+        return layer._original((x,), {}, reason)
+    call_stats.record(call_stats.OUTCOME_HANDED_BACK, reason, kind=KIND, model=layer.state.label)
+    return reference
+
+
 # ---- patching a ModelPatcher ----------------------------------------------------------------
 
 def _interrupt_check():
@@ -495,15 +789,17 @@ def _interrupt_check():
 
 def patch_linear_model(model, settings: AccelSettings | None = None, skip: str = SKIP_AUTO,
                        min_tokens: int = MIN_TOKENS, backend: LinearBackend | None = None,
-                       label: str | None = None):
+                       label: str | None = None, dynamic_vram: str = DYNAMIC_VRAM_AUTO,
+                       weight_cast: ComfyWeightCast | None = None):
     """A clone of `model` (a ComfyUI ModelPatcher) whose diffusion model's Linear layers go
-    through kernels.linear. `label`: call_stats' name for the clone (a new one when None).
-    Raises ValueError for a skip pattern that does not parse."""
+    through kernels.linear. `label`: call_stats' name for the clone (a new one when None);
+    `dynamic_vram`: one of DYNAMIC_VRAM_MODES (what calls whose weights ComfyUI streams get).
+    Raises ValueError for a skip pattern that does not parse or an unknown dynamic_vram."""
     settings = settings or AccelSettings("auto")
     patterns = SkipPatterns.parse(skip)
     patched = model.clone()
     label = label or call_stats.new_model_label(type(getattr(model, "model", model)).__name__)
-    state = LinearPatchState(settings, patterns, min_tokens, backend, label)
+    state = LinearPatchState(settings, patterns, min_tokens, backend, label, dynamic_vram, weight_cast)
     state.interrupt_check = _interrupt_check()
     state.weights_token = getattr(patched, "patches_uuid", None)
     diffusion_model = patched.model.diffusion_model
@@ -534,10 +830,16 @@ def _add_callbacks(patched, state: LinearPatchState) -> None:
         from comfy.patcher_extension import CallbacksMP
 
         on_load, on_detach = CallbacksMP.ON_LOAD, CallbacksMP.ON_DETACH
+        # ComfyUI before 0.29 has no MultiGPU work units: the names below are then never called.
+        multigpu = (getattr(CallbacksMP, "ON_DEEPCLONE_MULTIGPU", "on_deepclone_multigpu"),
+                    getattr(CallbacksMP, "ON_MATCH_MULTIGPU_CLONES", "on_match_multigpu_clones"))
     except ImportError:  # outside ComfyUI (tests): the same names ComfyUI uses
         on_load, on_detach = "on_load_after", "on_detach_after"
+        multigpu = ("on_deepclone_multigpu", "on_match_multigpu_clones")
     add(on_load, CALLBACK_KEY, state.on_load)
     add(on_detach, CALLBACK_KEY, state.on_detach)
+    for call_type in multigpu:
+        add(call_type, CALLBACK_KEY, state.on_multigpu_clone)
 
 
 # ---- the nodes ------------------------------------------------------------------------------
@@ -549,6 +851,8 @@ def patched_linear_text(patched, settings: AccelSettings) -> str:
     skipped = sum(1 for layer in state.layers if layer.skip_reason)
     text = (f"{state.label}: {len(state.layers)} Linear layers patched, {skipped} of them skipped by name; "
             f"calls under {state.min_tokens} tokens go to ComfyUI's Linear")
+    if _dynamic_vram_enabled():
+        text += f"\nComfyUI's dynamic VRAM is on: {DYNAMIC_VRAM_TEXT[state.dynamic_vram]}"
     device = getattr(patched, "load_device", None)
     try:
         device = torch.device(device) if device is not None else default_device()
@@ -557,6 +861,28 @@ def patched_linear_text(patched, settings: AccelSettings) -> str:
         log.warning("Triton Accel: could not probe device %r for %s: %s: %s", device, state.label,
                     type(e).__name__, e)
         return f"{text}\nLinear: could not probe device {str(device)!r}; each call is decided when it arrives"
+
+
+def _dynamic_vram_enabled() -> bool:
+    """ComfyUI runs with dynamic VRAM (comfy-aimdo): what its main.py sets once aimdo is up."""
+    return bool(getattr(sys.modules.get("comfy.memory_management"), "aimdo_enabled", False))
+
+
+DYNAMIC_VRAM_TEXT = {
+    DYNAMIC_VRAM_AUTO: "streamed FP8 weights are used as they are, 16/32-bit ones quantised to FP8 per call",
+    DYNAMIC_VRAM_FP8_WEIGHTS: "streamed FP8 weights are used as they are, 16/32-bit ones go to ComfyUI's Linear",
+    DYNAMIC_VRAM_OFF: "layers with streamed weights go to ComfyUI's Linear (dynamic_vram off)",
+}
+
+
+def _dynamic_vram_input() -> dict:
+    return {"dynamic_vram": (list(DYNAMIC_VRAM_MODES), {
+        "default": DYNAMIC_VRAM_AUTO,
+        "tooltip": "ComfyUI 0.29+ dynamic VRAM streams each layer's weight per call. auto: FP8 weights feed our "
+                   "FP8 matmul as they are; BF16/FP16 weights are quantised to FP8 on every call (one layer's "
+                   "FP8 copy of memory, freed after the call; a pass over the weight that large calls repay). "
+                   "fp8_weights_only: only FP8 weights; off: ComfyUI's Linear for every streamed layer.",
+    })}
 
 
 def _linear_inputs() -> dict:
@@ -595,12 +921,14 @@ class TritonAccelPatchLinear:
             "required": {"model": ("MODEL", {"tooltip": "The diffusion model (from a loader or a LoRA node)."}),
                          **_linear_inputs()},
             "optional": {"settings": (SETTINGS_TYPE, {
-                "tooltip": "From Triton Accel Settings (its 'linear' mode). Not connected: auto."})},
+                "tooltip": "From Triton Accel Settings (its 'linear' mode). Not connected: auto."}),
+                **_dynamic_vram_input()},
         }
 
-    def patch(self, model, skip: str = SKIP_AUTO, min_tokens: int = MIN_TOKENS, settings: AccelSettings | None = None):
+    def patch(self, model, skip: str = SKIP_AUTO, min_tokens: int = MIN_TOKENS, settings: AccelSettings | None = None,
+              dynamic_vram: str = DYNAMIC_VRAM_AUTO):
         settings = settings or AccelSettings("auto")
-        patched = patch_linear_model(model, settings, skip, min_tokens)
+        patched = patch_linear_model(model, settings, skip, min_tokens, dynamic_vram=dynamic_vram)
         return {"ui": {"text": [patched_linear_text(patched, settings)]}, "result": (patched,)}
 
 
@@ -618,13 +946,14 @@ class TritonAccelPatch:
     def INPUT_TYPES(cls):
         return TritonAccelPatchLinear.INPUT_TYPES()
 
-    def patch(self, model, skip: str = SKIP_AUTO, min_tokens: int = MIN_TOKENS, settings: AccelSettings | None = None):
+    def patch(self, model, skip: str = SKIP_AUTO, min_tokens: int = MIN_TOKENS, settings: AccelSettings | None = None,
+              dynamic_vram: str = DYNAMIC_VRAM_AUTO):
         from .patch_attention import OVERRIDE_KEY
         from .patch_attention import patch_model as patch_attention_model
 
         settings = settings or AccelSettings("auto")
         with_attention = patch_attention_model(model, settings)
         label = with_attention.model_options["transformer_options"][OVERRIDE_KEY].label
-        patched = patch_linear_model(with_attention, settings, skip, min_tokens, label=label)
+        patched = patch_linear_model(with_attention, settings, skip, min_tokens, label=label, dynamic_vram=dynamic_vram)
         text = f"{patched_model_text(patched, label, settings)}\n{patched_linear_text(patched, settings)}"
         return {"ui": {"text": [text]}, "result": (patched,)}

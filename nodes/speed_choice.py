@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import env_settings, tuning
+from ..kernels import env_settings, extensions, tuning
 from ..kernels.gpu_rules import LOSSY_PATHS, PATH_LABEL
 from ..kernels.json_cache import JsonCache
 
@@ -59,7 +59,9 @@ QUANTIZED_BAR = AgreementBar(0.05, 0.998)
 
 
 def agreement_bar(path: str) -> AgreementBar:
-    return QUANTIZED_BAR if path in LOSSY_PATHS else LOSSLESS_BAR
+    # Another pack's attention declares itself lossy or not (kernels/extensions.py); an unknown
+    # name gets the lossless bar, the stricter one.
+    return QUANTIZED_BAR if path in LOSSY_PATHS or extensions.is_lossy(path) else LOSSLESS_BAR
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -129,35 +131,43 @@ def comfy_progress_bar(total: int):
 
 
 class _AutotuneProgress:
-    """kernels.tuning's progress hook: one ComfyUI progress bar per autotuning run."""
+    """kernels.tuning's progress hook: one ComfyUI progress bar per autotuning run.
+
+    The bar is kept per thread: under ComfyUI's MultiGPU work units each GPU's thread may
+    autotune at the same time, and one shared bar would take the other run's counts."""
 
     def __init__(self):
-        self._bar = None
+        self._local = threading.local()
 
     def __call__(self, done: int, total: int) -> None:
-        if done == 0 or self._bar is None:
-            self._bar = comfy_progress_bar(total)
-        if self._bar is not None:
-            self._bar.update_absolute(done, total)
+        bar = getattr(self._local, "bar", None)
+        if done == 0 or bar is None:
+            bar = self._local.bar = comfy_progress_bar(total)
+        if bar is not None:
+            bar.update_absolute(done, total)
         if done >= total:
-            self._bar = None
+            self._local.bar = None
 
 
 tuning.set_progress_hook(_AutotuneProgress())
 
 
 def _time_ms(fn, device: torch.device) -> tuple[float, torch.Tensor]:
-    out = None
-    for _ in range(WARMUP_RUNS):
-        out = fn()
-    times = []
-    for _ in range(TIMED_RUNS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    # Events record on the current device's stream: under MultiGPU work units the calling
+    # thread's current device is normally `device` already, but a thread that did not set it
+    # would time cuda:0's stream while the kernels run on cuda:1.
+    with torch.cuda.device(device):
+        out = None
+        for _ in range(WARMUP_RUNS):
+            out = fn()
+        times = []
+        for _ in range(TIMED_RUNS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
     return statistics.median(times), out
 
 
@@ -168,11 +178,26 @@ class SpeedChoice:
         self._cache = JsonCache("auto speed cache", Path(cache_file) if cache_file else default_cache_file,
                                 CACHE_VERSION, valid_entry)
         self._timer = timer or _time_ms
-        self._lock = threading.Lock()  # one measurement at a time: timings must not overlap
+        # Two locks, taken in this order, never the other way round:
+        # - one per cache key, so a shape class is measured once and every other thread asking
+        #   for it waits for that answer instead of measuring again;
+        # - one per device, so two measurements never overlap on one GPU (they would slow each
+        #   other down). Different devices (MultiGPU work units: a thread per GPU) measure at
+        #   the same time; one lock for everything made cuda:1 wait for all of cuda:0's timings.
+        self._locks_lock = threading.Lock()
+        self._key_locks: dict[str, threading.Lock] = {}
+        self._device_locks: dict[str, threading.Lock] = {}
 
     @property
     def cache_file(self) -> Path:
         return self._cache.path
+
+    def _lock_for(self, table: dict, name: str) -> threading.Lock:
+        with self._locks_lock:
+            lock = table.get(name)
+            if lock is None:
+                lock = table[name] = threading.Lock()
+            return lock
 
     def known(self, key: str) -> str | None:
         entry = self._cache.get(key)
@@ -191,40 +216,48 @@ class SpeedChoice:
         `groups` splits an output into its (batch, head) slices for the cosine check; `about`
         ({"device", "gpu", "arch", "shape_class"}) is stored with the entry for speed_summary().
         """
-        with self._lock:
-            entry = self._cache.get(key)
+        entry = self._cache.get(key)
+        if entry:
+            return entry["choice"], None
+        with self._lock_for(self._key_locks, key):
+            entry = self._cache.get(key)  # measured by another thread while this one waited
             if entry:
                 return entry["choice"], None
-            about = dict(about or {})
-            where = about.get("shape_class") or key
-            names = [name for name in candidates if name != ORIGINAL]
-            log.info("Triton Accel: timing %s against ComfyUI's attention at %s (first call only)",
-                     ", ".join(names), where)
-            bar = comfy_progress_bar(len(names) + 1)  # ComfyUI's attention, then each candidate
-            original_ms, original_out = self._timer(candidates[ORIGINAL], device)
+            with self._lock_for(self._device_locks, str(device)):
+                return self._measure(key, candidates, device, groups, about)
+
+    def _measure(self, key: str, candidates: dict, device: torch.device, groups, about: dict | None):
+        """choose()'s timing and agreement check, under its key's and its device's locks."""
+        about = dict(about or {})
+        where = about.get("shape_class") or key
+        names = [name for name in candidates if name != ORIGINAL]
+        log.info("Triton Accel: timing %s against ComfyUI's attention at %s (first call only)",
+                 ", ".join(names), where)
+        bar = comfy_progress_bar(len(names) + 1)  # ComfyUI's attention, then each candidate
+        original_ms, original_out = self._timer(candidates[ORIGINAL], device)
+        if bar is not None:
+            bar.update(1)
+        timings = {ORIGINAL: {"ms": round(original_ms, 4)}}
+        outputs = {ORIGINAL: original_out}
+        choice, best_ms = ORIGINAL, original_ms
+        for name in names:
+            ms, out = self._timer(candidates[name], device)
             if bar is not None:
                 bar.update(1)
-            timings = {ORIGINAL: {"ms": round(original_ms, 4)}}
-            outputs = {ORIGINAL: original_out}
-            choice, best_ms = ORIGINAL, original_ms
-            for name in names:
-                ms, out = self._timer(candidates[name], device)
-                if bar is not None:
-                    bar.update(1)
-                metrics = agreement(out, original_out, groups)
-                ok = agrees(metrics, agreement_bar(name))
-                timings[name] = {"ms": round(ms, 4), **metrics, "agrees": ok}
-                outputs[name] = out
-                if not ok and name not in LOSSY_PATHS:
-                    log.warning("Triton Accel: %s disagrees with ComfyUI's attention at %s (rel. L2 %.2e); "
-                                "not used there", name, where, metrics["rel_l2"])
-                if ok and ms < best_ms:
-                    choice, best_ms = name, ms
-            log.info("Triton Accel: %s: %s -> %s (%.2fx ComfyUI's attention)", where,
-                     ", ".join(_timing_words(n, t) for n, t in timings.items()), choice, original_ms / best_ms
-                     if best_ms > 0 else 1.0)
-            self._cache.put(key, {"choice": choice, "timings": timings, **about})
-            return choice, outputs[choice]
+            metrics = agreement(out, original_out, groups)
+            ok = agrees(metrics, agreement_bar(name))
+            timings[name] = {"ms": round(ms, 4), **metrics, "agrees": ok}
+            outputs[name] = out
+            if not ok and agreement_bar(name) is LOSSLESS_BAR:
+                log.warning("Triton Accel: %s disagrees with ComfyUI's attention at %s (rel. L2 %.2e); "
+                            "not used there", name, where, metrics["rel_l2"])
+            if ok and ms < best_ms:
+                choice, best_ms = name, ms
+        log.info("Triton Accel: %s: %s -> %s (%.2fx ComfyUI's attention)", where,
+                 ", ".join(_timing_words(n, t) for n, t in timings.items()), choice, original_ms / best_ms
+                 if best_ms > 0 else 1.0)
+        self._cache.put(key, {"choice": choice, "timings": timings, **about})
+        return choice, outputs[choice]
 
 
 def _timing_words(name: str, timing: dict) -> str:
