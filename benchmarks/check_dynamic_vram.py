@@ -27,6 +27,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -202,7 +203,8 @@ def main() -> int:
     import comfy.model_patcher
 
     assert comfy.model_patcher.CoreModelPatcher is comfy.model_patcher.ModelPatcherDynamic
-    device = torch.device("cuda")
+    # With an index: comfy-aimdo's VBAR takes load_device.index, and torch.device("cuda") has none.
+    device = torch.device("cuda", torch.cuda.current_device())
     failures: list[str] = []
     for weights in args.weights:
         try:
@@ -210,6 +212,7 @@ def main() -> int:
         except Exception as e:  # one broken kind must not hide the others
             failures.append(f"{weights}: {type(e).__name__}: {e}")
             print(f"[{weights}] FAILED: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
         torch.cuda.empty_cache()
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures), flush=True)

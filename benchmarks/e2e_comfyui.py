@@ -44,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,7 +231,34 @@ def time_steps(run, steps, device):
             t0 = time.perf_counter()
             out = run()
             times.append((time.perf_counter() - t0) * 1e3)
+    time_steps.last_times = times  # every timed step, for the JSON (a slow first step shows there)
     return statistics.median(times), out, first_ms
+
+
+def profile_step(run, device, folder: Path, label: str) -> None:
+    """One more step under cProfile (E2E_CPROFILE=<folder>): where the host time of a step goes,
+    for steps that the CPU rather than the GPU bounds (e.g. under dynamic VRAM)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    wall = time.perf_counter()
+    prof.enable()
+    run()
+    prof.disable()
+    host_ms = (time.perf_counter() - wall) * 1e3
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    total_ms = (time.perf_counter() - wall) * 1e3
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"cprofile_{label}.txt").write_text(f"host {host_ms:.1f} ms of {total_ms:.1f} ms (step incl. sync)\n"
+                                                   + text.getvalue())
+    print(f"[profile] {label}: host {host_ms:.1f} ms, step {total_ms:.1f} ms", flush=True)
 
 
 # The weights each variant's model is built with (default bf16).
@@ -298,12 +326,16 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
         comfy.model_management.load_models_gpu([patcher], force_full_load=True)
         with ctx:
             ms, out, first_ms = time_steps(step_fn(patcher, x, t, context, kwargs), steps, device)
+            if os.environ.get("E2E_CPROFILE"):
+                profile_step(step_fn(patcher, x, t, context, kwargs), device, Path(os.environ["E2E_CPROFILE"]),
+                             f"{name}_{variant}{'_dynamic' if dynamic_vram else ''}")
         # Everything on the GPU, the VBAR's resident weights included (aimdo allocates those
         # outside torch's allocator, so max_memory_allocated does not see them).
         free, total = torch.cuda.mem_get_info() if device.type == "cuda" else (0, 0)
         device_used = (total - free) / 2**30 if device.type == "cuda" else float("nan")
     except Exception as e:  # one broken variant must not lose the others' numbers
         print(f"[{name}] {variant}: FAILED {e}", flush=True)
+        traceback.print_exc()
         return dict(model=name, variant=variant, error=f"{type(e).__name__}: {e}"[:300])
     finally:
         comfy.model_management.unload_all_models()
@@ -318,7 +350,7 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
         print(f"[{name}] {variant}: WARNING no Linear call served under dynamic VRAM: {linear.get('reasons')}",
               flush=True)
     row = dict(model=name, variant=variant, ms_per_step=ms, rel_l2_vs_default=diff, cosine_vs_default=cos,
-               first_call_ms=first_ms, peak_gib=peak, device_used_gib=device_used, finite=bool(torch.isfinite(out).all()),
+               first_call_ms=first_ms, step_ms=list(getattr(time_steps, "last_times", [])), peak_gib=peak, device_used_gib=device_used, finite=bool(torch.isfinite(out).all()),
                calls={kind: f"{c['served']} ours/{c['handed_back']} back" for kind, c in snap.get("kinds", {}).items()},
                paths=snap["paths"], linear_paths=snap.get("kinds", {}).get("linear", {}).get("paths", {}),
                linear_reasons=snap.get("kinds", {}).get("linear", {}).get("reasons", {}),
@@ -383,7 +415,8 @@ def main():
     pack = load_pack()
 
     os.environ.setdefault("TRITON_ACCEL_CACHE_DIR", str(Path(args.out) / "cache"))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # With an index: comfy-aimdo's VBAR (dynamic VRAM) takes load_device.index.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     specs = TINY if args.tiny else FULL
     results = []

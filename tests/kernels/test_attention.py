@@ -242,10 +242,16 @@ def test_custom_op_registered_once_and_fake():
 
 
 def test_second_import_under_another_name_shares_op_and_counters():
-    import sys
+    import importlib.util
+    import pathlib
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    from conftest import load_pack
+    # By file, not `from conftest import`: another folder's conftest (tests/integration) may
+    # already hold the name "conftest" in sys.modules.
+    path = pathlib.Path(__file__).resolve().parents[1] / "conftest.py"
+    spec = importlib.util.spec_from_file_location("triton_accel_tests_root_conftest", path)
+    root_conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root_conftest)
+    load_pack = root_conftest.load_pack
 
     other = load_pack("triton_accel_second_copy")
     K2 = importlib.import_module(other.__name__ + ".kernels")
