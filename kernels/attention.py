@@ -137,6 +137,12 @@ def _reference(q, k, v, attn_mask=None, scale=None, is_causal=False):
     return attention_ref(q, k, v, attn_mask, scale, is_causal).to(q.dtype)
 
 
+def _route_key(q, k, attn_mask, is_causal, interpreter) -> tuple:
+    """The facts that decide which kernel and config serve a call (and nothing else)."""
+    return (q.device, q.dtype, q.shape[-1], k.shape[2], k.shape[1] != q.shape[1],
+            None if attn_mask is None else attn_mask.dtype, bool(is_causal), interpreter)
+
+
 def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
     # The interpreter only ever runs CPU tensors; CUDA calls skip the environment lookup.
     interpreter = not q.is_cuda and _device.interpreter_enabled()
@@ -145,8 +151,7 @@ def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
         return _triton(*upcast, scale, is_causal).to(q.dtype)
     # Which kernel and config serve a call depends only on these facts; remembering the answer
     # keeps the per-call host cost (it decides how fast small eager calls are) to a dict lookup.
-    rkey = (q.device, q.dtype, q.shape[-1], k.shape[2], k.shape[1] != q.shape[1],
-            None if attn_mask is None else attn_mask.dtype, bool(is_causal), interpreter)
+    rkey = _route_key(q, k, attn_mask, is_causal, interpreter)
     route = _routes.get(rkey)
     if route is None:
         route = _route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter)
@@ -479,8 +484,7 @@ def _triton_lse(q, k, v, attn_mask=None, scale=None, is_causal=False):
     if upcast is not None:
         out, lse = _triton_lse(*upcast, scale, is_causal)
         return out.to(q.dtype), lse
-    rkey = (q.device, q.dtype, q.shape[-1], k.shape[2], k.shape[1] != q.shape[1],
-            None if attn_mask is None else attn_mask.dtype, bool(is_causal), interpreter)
+    rkey = _route_key(q, k, attn_mask, is_causal, interpreter)
     route = _lse_routes.get(rkey)
     if route is None:
         route = _flash_route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter)
