@@ -76,8 +76,10 @@ if _inside_comfyui():
 
 # The extension API's names, read from the package itself when it was imported as
 # "triton_accel" (tests; a clone into a folder of that name), where sys.modules holds the package.
-_EXTENSION_API_NAMES = frozenset({"API_VERSION", "Constraints", "ExtensionCallError", "register_attention",
-                                  "unregister", "list_extensions"})
+_EXTENSION_API_NAMES = frozenset({"API_VERSION", "Constraints", "LinearConstraints", "ExtensionCallError",
+                                  "BackendUnavailableError", "register_attention", "register_linear",
+                                  "unregister", "list_extensions", "reset_counts", "run_linear",
+                                  "linear_call_refusal"})
 
 
 def __getattr__(name):

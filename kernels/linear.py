@@ -40,6 +40,9 @@ METHODS = LINEAR_METHODS
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALIGN_FEATURES = 16  # K and N: 16-byte rows for 8-bit tiles, whole MMA depths
 IMPL_NAME = {m: f"triton_linear_{m}" for m in METHODS}
+# Our methods' registry priority. Other packs' Linear extensions (kernels/extensions.py) rank
+# against it in the Linear patch's auto: above it they are tried before ours, at or below it after.
+PRIORITY = 100
 
 
 class LinearInputError(ValueError):
@@ -139,7 +142,7 @@ def _register_implementations() -> None:
     for method in METHODS:
         if registry.get(OP, IMPL_NAME[method]) is None:
             registry.register(Implementation(
-                name=IMPL_NAME[method], op=OP, fn=lambda *a, _m=method: _run_method(_m, *a), priority=100,
+                name=IMPL_NAME[method], op=OP, fn=lambda *a, _m=method: _run_method(_m, *a), priority=PRIORITY,
                 constraints=LinearConstraints(method), unavailable=triton_error))
 
 

@@ -22,11 +22,13 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .. import kernels
+from ..kernels import extensions
 from ..kernels.gpu_rules import PATH_PYTORCH
 from .benchmark_chart import chart_backend, draw_chart, png_bytes
 from .benchmark_core import ShapeRecorder, attention_shape_of, report_text, run_benchmark, sdpa_attention
-from .patch_attention import OVERRIDE_KEY, Unsupported, adapt_call
-from .patch_linear import is_linear_module
+from .patch_attention import OVERRIDE_KEY, Unsupported, adapt_call, timed_on
+from .patch_linear import extension_plan, is_linear_module
 from .settings import SETTINGS_TYPE, AccelSettings
 
 log = logging.getLogger("triton_accel.benchmark")
@@ -143,14 +145,21 @@ def chosen_paths(settings: AccelSettings, device: torch.device, weight_is_fp8: b
     notes = []
     decision = settings.decision_for(device)
     paths = [] if decision.path == PATH_PYTORCH else list(decision.candidates)
+    timed_extensions = []
+    if settings.mode == "auto" and timed_on(device):
+        # auto times other packs' attention next to ours there (patch_attention._auto_extensions).
+        timed_extensions = [p for p in extensions.paths_by_priority(kernels.describe(device)) if p not in paths]
+        paths += timed_extensions
     if not paths:
         notes.append(f"our attention was not timed: {decision.reason}")
     linear_decision = settings.linear_decision_for(device, weight_is_fp8)
     method = None if linear_decision.path == PATH_PYTORCH else linear_decision.path
-    if method is None:
+    plan = extension_plan(settings, device, weight_is_fp8)
+    linear_extensions = [p for p in (*plan[0], *plan[2]) if p != method] if plan is not None else []
+    if method is None and not linear_extensions:
         notes.append(f"our Linear was not timed: {linear_decision.reason}")
-    return {"attention_paths": paths, "attention_keeps_faster": bool(paths and decision.measure),
-            "linear_method": method, "notes": notes}
+    return {"attention_paths": paths, "attention_keeps_faster": bool(paths and (decision.measure or timed_extensions)),
+            "linear_method": method, "linear_extensions": linear_extensions, "notes": notes}
 
 
 # ---- the saved result --------------------------------------------------------------------------

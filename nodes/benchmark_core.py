@@ -24,8 +24,9 @@ from typing import Callable, Optional
 import torch
 
 from .. import kernels
+from ..kernels import extensions
 from ..kernels.gpu_rules import BACKEND_OF_PATH, LINEAR_LABEL, PATH_LABEL
-from .patch_linear import GUARD_MAX_REL_L2, MIN_TOKENS, SKIP_AUTO, SkipPatterns
+from .patch_linear import EXT_GUARD_MAX_REL_L2, GUARD_MAX_REL_L2, MIN_TOKENS, SKIP_AUTO, SkipPatterns
 from .speed_choice import LOSSLESS_BAR, agreement, agreement_bar, agrees
 
 log = logging.getLogger("triton_accel.benchmark")  # not __name__: the clone's folder name
@@ -310,6 +311,29 @@ def _measure(impl: str, label: str, fn, timer, flops, ref, rows, cut, judge_path
     return entry
 
 
+def attention_backend(path: str) -> tuple[Optional[str], str]:
+    """(kernels.attention backend, label) of an attention path: ours through BACKEND_OF_PATH,
+    another pack's "ext:<name>" by its own name (the registry knows it so) and label."""
+    if extensions.is_extension_path(path):
+        extension = extensions.get(path, extensions.KIND_ATTENTION)
+        return path, f"{path} ({extension.label})" if extension is not None else path
+    return BACKEND_OF_PATH.get(path), PATH_LABEL.get(path, path)
+
+
+def linear_label(method: str) -> str:
+    if extensions.is_extension_path(method):
+        extension = extensions.get(method, extensions.KIND_LINEAR)
+        return f"{method} ({extension.label})" if extension is not None else method
+    return LINEAR_LABEL.get(method, method)
+
+
+def linear_bar(method: Optional[str]) -> float:
+    """The Linear guard's rel. L2 bar for one of ours or an extension (patch_linear)."""
+    if extensions.is_extension_path(method):
+        return EXT_GUARD_MAX_REL_L2[extensions.is_lossy(method)]
+    return GUARD_MAX_REL_L2.get(method, min(GUARD_MAX_REL_L2.values()))
+
+
 def bench_attention(shape: AttentionShape, count: int, device, timer: Timer, baseline, baseline_label: str,
                     paths: list) -> dict:
     """PyTorch (`baseline`) and each of our `paths` at one attention shape."""
@@ -327,8 +351,7 @@ def bench_attention(shape: AttentionShape, count: int, device, timer: Timer, bas
     results = [_measure(PYTORCH_IMPL, baseline_label, lambda: baseline(q, kb, vb, mask), timer, shape.flops,
                         ref, rows, cut)]
     for path in paths:
-        backend = BACKEND_OF_PATH.get(path)
-        label = PATH_LABEL.get(path, path)
+        backend, label = attention_backend(path)
         ok, reason = kernels.attention_support(q, k, v, mask, backend=backend) if backend else (False, "no backend")
         if not ok:
             results.append({"impl": path, "label": label, "ms": None, "tflops": None, "rel_l2": None,
@@ -352,8 +375,10 @@ def make_linear_inputs(shape: LinearShape, device, seed: int = 0):
     return x, w.to(device=device, dtype=dtype), bias
 
 
-def bench_linear(shape: LinearShape, count: int, device, timer: Timer, method: Optional[str]) -> dict:
-    """torch's Linear and (when `method` is given and accepted) our quantised Linear at one shape."""
+def bench_linear(shape: LinearShape, count: int, device, timer: Timer, method: Optional[str],
+                 extra_methods: tuple = ()) -> dict:
+    """torch's Linear and (when `method` is given and accepted) our quantised Linear at one shape;
+    `method` may be another pack's "ext:<name>", and `extra_methods` more of them (auto's)."""
     x, w, bias = make_linear_inputs(shape, device)
     baseline_label, baseline = "PyTorch Linear", lambda: torch.nn.functional.linear(x, w, bias)
     if shape.weight_dtype == "float8_e4m3fn":
@@ -372,9 +397,15 @@ def bench_linear(shape: LinearShape, count: int, device, timer: Timer, method: O
 
     results = [_measure(PYTORCH_IMPL, baseline_label, baseline, timer, shape.flops, ref, rows, cut)]
     row = {"kind": "linear", "label": shape.label, "shape": asdict(shape), "count": count, "flops": shape.flops,
-           "results": results, "max_rel_l2": GUARD_MAX_REL_L2.get(method, min(GUARD_MAX_REL_L2.values()))}
-    if method is None:
-        return row
+           "results": results, "max_rel_l2": linear_bar(method)}
+    for m in ([method] if method is not None else []) + [p for p in extra_methods if p != method]:
+        results.append(_bench_linear_ext(m, shape, x, w, bias, timer, ref, rows, cut)
+                       if extensions.is_extension_path(m) else _bench_linear_ours(m, shape, x, w, bias, timer, ref,
+                                                                                  rows, cut, row))
+    return row
+
+
+def _bench_linear_ours(method, shape, x, w, bias, timer, ref, rows, cut, row) -> dict:
     label = LINEAR_LABEL.get(method, method)
     refusal = f"not patched: {shape.kept_by}" if shape.kept_by else None
     if refusal is None:
@@ -390,12 +421,23 @@ def bench_linear(shape: LinearShape, count: int, device, timer: Timer, method: O
         except ValueError as e:  # LinearInputError: a shape the kernels do not take
             refusal = f"refused: {getattr(e, 'reason', e)}"
     if refusal is not None:
-        results.append({"impl": method, "label": label, "ms": None, "tflops": None, "rel_l2": None,
-                        "error": refusal})
-        return row
-    results.append(_measure(method, label, lambda: kernels.linear(x, prepared, bias), timer, shape.flops,
-                            ref, rows, cut))
-    return row
+        return {"impl": method, "label": label, "ms": None, "tflops": None, "rel_l2": None, "error": refusal}
+    return _measure(method, label, lambda: kernels.linear(x, prepared, bias), timer, shape.flops, ref, rows, cut)
+
+
+def _bench_linear_ext(path, shape, x, w, bias, timer, ref, rows, cut) -> dict:
+    """Another pack's Linear on the same inputs, through the guard the patch calls it with
+    (weight in x's dtype: an FP8 checkpoint's upcast, as ComfyUI's cast gives it)."""
+    label = linear_label(path)
+    weight = w.to(x.dtype) if w.dtype != x.dtype else w
+    refusal = extensions.linear_call_refusal(path, x, weight, bias)
+    if refusal is not None:
+        return {"impl": path, "label": label, "ms": None, "tflops": None, "rel_l2": None,
+                "error": f"refused: {refusal}"}
+    entry = _measure(path, label, lambda: extensions.run_linear(path, x, weight, bias), timer, shape.flops, ref,
+                     rows, cut)
+    entry["within_bar"] = entry["rel_l2"] is not None and entry["rel_l2"] <= linear_bar(path)
+    return entry
 
 
 # ---- the whole run -----------------------------------------------------------------------------
@@ -437,7 +479,7 @@ def summarize(result: dict) -> dict:
 
 
 def run_benchmark(attention: list, linear: list, device, *, attention_paths: list, linear_method: Optional[str],
-                  attention_keeps_faster: bool = False, baseline=sdpa_attention,
+                  linear_extensions: tuple = (), attention_keeps_faster: bool = False, baseline=sdpa_attention,
                   baseline_label: str = "PyTorch SDPA", repeats: int = 20, notes: Optional[list] = None,
                   progress: Optional[Callable[[int, int, str], None]] = None, source: str = "",
                   forward_ms: Optional[float] = None) -> dict:
@@ -454,7 +496,8 @@ def run_benchmark(attention: list, linear: list, device, *, attention_paths: lis
               "device_name": _device_name(device), "torch": torch.__version__, "triton": kernels.triton_version(),
               "timer": timer.name, "interpreter": device.type == "cpu" and kernels.interpreter_enabled(),
               "attention_paths": list(attention_paths), "attention_keeps_faster": bool(attention_keeps_faster),
-              "linear_method": linear_method, "notes": list(notes or []), "forward_ms": forward_ms,
+              "linear_method": linear_method, "linear_extensions": list(linear_extensions),
+              "notes": list(notes or []), "forward_ms": forward_ms,
               "attention": [], "linear": []}
     if result["interpreter"] and (attention_paths or linear_method):
         result["notes"].append("our kernels ran in the Triton interpreter (TRITON_INTERPRET=1): their times are "
@@ -464,7 +507,8 @@ def run_benchmark(attention: list, linear: list, device, *, attention_paths: lis
             log.info("Triton Accel benchmark: %s %s (x%d per forward)", kind, shape.label, count)
             with torch.no_grad():
                 row = (bench_attention(shape, count, device, timer, baseline, baseline_label, attention_paths)
-                       if kind == "attention" else bench_linear(shape, count, device, timer, linear_method))
+                       if kind == "attention" else bench_linear(shape, count, device, timer, linear_method,
+                                                                tuple(linear_extensions)))
             result[kind].append(row)
             done += 1
             if progress is not None:

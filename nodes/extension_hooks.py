@@ -1,4 +1,5 @@
-"""How another node pack reaches kernels/extensions.py, whatever our folder name and load order.
+"""How another node pack reaches kernels/extensions.py (register_attention, register_linear),
+whatever our folder name and load order.
 
 ComfyUI imports each custom-node folder as a module named after the folder, so ours may be
 "ComfyUI-Triton-Accel", "comfyui-triton-accel" or anything. At load the pack publishes the

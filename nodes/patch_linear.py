@@ -26,6 +26,11 @@ How, and why this way:
   Linear for good (per device), shown by the Settings node and the stats route.
 - Prepared weights are freed when the clone is unpatched (ComfyUI's ON_DETACH callback with
   unpatch_all) or garbage-collected (weakref.finalize on the clone).
+- Other packs' Linear (kernels/extensions.py register_linear): forced by the Settings node's
+  `linear` "ext:<name>", or in auto walked by priority with ours where auto runs ours
+  (extension_plan). They get the weight in the input's dtype (ComfyUI's cast under dynamic
+  VRAM), the same first-call guard (EXT_GUARD_MAX_REL_L2), and every call they refuse or fail on
+  goes to ComfyUI's Linear with the reason counted.
 """
 from __future__ import annotations
 
@@ -41,11 +46,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import extensions
 from ..kernels.gpu_rules import LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY, LINEAR_INT8_W8A8, PATH_PYTORCH
+from ..kernels.linear import PRIORITY as OUR_PRIORITY
+from ..kernels.registry import BackendUnavailableError
 from . import call_stats
 from .settings import SEARCH_ALIASES as ATTENTION_SEARCH_ALIASES
 from .settings import SETTINGS_TYPE, AccelSettings, default_device, patched_model_text
-from .speed_choice import comfy_progress_bar
+from .speed_choice import LOSSLESS_BAR, comfy_progress_bar
 
 log = logging.getLogger("triton_accel")
 
@@ -65,6 +73,10 @@ MIN_TOKENS = 1024
 # coarser on outliers. FP8 checkpoint weights in weight-only mode differ from ComfyUI's
 # upcast only by FP16/BF16 rounding (~0.003), so 0.04 still catches a broken kernel.
 GUARD_MAX_REL_L2 = {LINEAR_FP8_W8A8: 0.05, LINEAR_INT8_W8A8: 0.06, LINEAR_FP8_WEIGHT_ONLY: 0.04}
+# Other packs' Linear (kernels/extensions.py) by the same guard: a lossless one by the pack's
+# lossless bar (speed_choice.LOSSLESS_BAR, attention's too: rounding only), a lossy one by our
+# FP8 W8A8 method's (the quantised attention bar's rel. L2 as well).
+EXT_GUARD_MAX_REL_L2 = {False: LOSSLESS_BAR.max_rel_l2, True: GUARD_MAX_REL_L2[LINEAR_FP8_W8A8]}
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 WEIGHT_DTYPES = INPUT_DTYPES + (torch.float8_e4m3fn,)
 
@@ -107,10 +119,21 @@ REASON_STREAMED_COMPILING = "weights streamed by dynamic VRAM: torch.compile tra
 REASON_GUARD = "quality guard: this layer's output differed from ComfyUI's (see linear_fallbacks)"
 REASON_KERNEL_ERROR = "our kernel raised an error on this layer (see the log)"
 REASON_COMPILING = "weights not prepared yet (torch.compile traces the first call)"
+REASON_EXT_COMPILING = "Linear extensions run eagerly only (torch.compile is tracing this call)"
+REASON_EXT_GUARD = "quality guard: {path} differed from ComfyUI's Linear on this layer (see linear_fallbacks)"
 
 
 class HandBack(Exception):
     """This call goes to the layer's original forward; the message is the counted reason."""
+
+
+class ExtensionHandBack(Exception):
+    """A Linear extension failed on this call: it goes to ComfyUI's Linear (`reference`, when
+    the guard already computed it); the message is the counted reason."""
+
+    def __init__(self, reason: str, reference=None):
+        super().__init__(reason)
+        self.reference = reference
 
 
 # ---- skip patterns --------------------------------------------------------------------------
@@ -233,6 +256,10 @@ class LinearLayer:
         self.entries: dict[str, PreparedEntry] = {}  # per device
         self.streamed: dict[str, StreamedEntry] = {}  # per device: guard state of calls under dynamic VRAM
         self.fallbacks: dict[str, str] = {}  # device -> why this layer runs ComfyUI's Linear for good
+        # Other packs' Linear on this layer, per (device, "ext:<name>"): the weight version its
+        # guard passed on, and (extension generation, reason) where it failed the guard.
+        self.ext_guarded: dict[tuple[str, str], tuple] = {}
+        self.ext_fallbacks: dict[tuple[str, str], tuple[int, str]] = {}
 
     def __deepcopy__(self, memo):
         return self
@@ -245,6 +272,10 @@ class LinearLayer:
         compiling = _is_compiling()
         if not compiling and self.state.interrupt_check is not None:
             self.state.interrupt_check()  # what ComfyUI's Linear.forward does first (Cancel)
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            plan = self.state.extension_plan(args[0].device, self.module.weight)
+            if plan is not None:
+                return self._call_with_extensions(args[0], plan, compiling)
         if len(args) == 1 and not kwargs and self.state.weight_cast.streams(self.module, args[0]):
             return streamed_call(self, args[0], compiling)
         try:
@@ -254,14 +285,119 @@ class LinearLayer:
             entry = self.state.entry_for(self, x, compiling)
         except HandBack as e:
             return self._original(args, kwargs, str(e))
+        return self._run_ours(x, entry)
+
+    def _run_ours(self, x, entry: PreparedEntry):
         if not entry.guarded:
             return self.state.guarded_call(self, x, entry)
         try:
             out = self.state.backend.run(x, entry.prepared, self.bias_for(x), x.dtype)
         except Exception as e:  # any kernel failure (compile, launch, memory): ComfyUI's Linear serves the layer
             self.state.fall_back(self, x.device, f"kernel error: {type(e).__name__}: {e}")
-            return self._original(args, kwargs, REASON_KERNEL_ERROR)
+            return self._original((x,), {}, REASON_KERNEL_ERROR)
         call_stats.record(call_stats.OUTCOME_SERVED, path=entry.method, kind=KIND, model=self.state.label)
+        return out
+
+    # -- other packs' Linear (kernels/extensions.py)
+    def _call_with_extensions(self, x, plan: tuple, compiling: bool):
+        """Walk the plan (extensions above ours, ours, extensions below) in priority order: the
+        first that accepts the call serves it. A failure (an extension's or ours) sends this call
+        to ComfyUI's Linear; refusals move on, and with none left ComfyUI's Linear serves, every
+        candidate's reason counted."""
+        before, ours, after = plan
+        streamed = self.state.weight_cast.streams(self.module, x)
+        try:
+            self.check_call(x, 1, streamed=streamed, ours=False)
+        except HandBack as e:
+            return self._original((x,), {}, str(e))
+        reasons: list[str] = []
+        try:
+            for path in before:
+                out = self._try_extension(path, x, streamed, compiling, reasons)
+                if out is not None:
+                    return out
+            if ours:
+                if streamed:
+                    try:
+                        planned = _streamed_plan(self, x, compiling)
+                    except HandBack as e:
+                        reasons.append(str(e))
+                    else:
+                        return _streamed_run(self, x, *planned)
+                else:
+                    try:
+                        entry = self.state.entry_for(self, x, compiling)
+                    except HandBack as e:
+                        reasons.append(str(e))
+                    else:
+                        return self._run_ours(x, entry)
+            for path in after:
+                out = self._try_extension(path, x, streamed, compiling, reasons)
+                if out is not None:
+                    return out
+        except ExtensionHandBack as e:
+            if e.reference is None:
+                return self._original((x,), {}, str(e))
+            call_stats.record(call_stats.OUTCOME_HANDED_BACK, str(e), kind=KIND, model=self.state.label)
+            return e.reference
+        return self._original((x,), {}, "; ".join(dict.fromkeys(reasons)) or "no Linear candidate")
+
+    def _try_extension(self, path: str, x, streamed: bool, compiling: bool, reasons: list):
+        """The extension's output for this call, or None with the reason appended (it refuses);
+        raises ExtensionHandBack when it fails (the call goes to ComfyUI's Linear)."""
+        state, module, where = self.state, self.module, str(x.device)
+        dropped = self.ext_fallbacks.get((where, path))
+        if dropped is not None and dropped[0] == extensions.generation():
+            reasons.append(REASON_EXT_GUARD.format(path=path))
+            return None
+        if compiling:
+            reasons.append(f"{path}: {REASON_EXT_COMPILING}")
+            return None
+        refusal = extensions.linear_shape_refusal(path, x, tuple(module.weight.shape), module.bias is not None)
+        if refusal:
+            reasons.append(f"{path}: {refusal}")
+            return None
+        version = (state.weights_token, module.weight.dtype) if streamed else state.weight_key(module, x.device)
+        guarded = self.ext_guarded.get((where, path)) == (extensions.generation(), version)
+        if streamed:  # ComfyUI's cast hands the weight over (LoRA applied) and takes it back after
+            cast_weight, bias, handle = state.weight_cast.cast(module, x, x.dtype)
+            try:
+                weight, _ = _with_stored_scale(module, cast_weight.detach())
+                out = self._run_extension(path, x, weight, bias, reasons)
+            finally:  # the tensors the cast gave, as ComfyUI's own Linear hands them back
+                state.weight_cast.uncast(module, cast_weight, bias, handle)
+        else:
+            weight, _ = _with_stored_scale(module, module.weight.detach().to(x.dtype))
+            out = self._run_extension(path, x, weight, self.bias_for(x), reasons)
+        if out is None:
+            return None
+        if guarded:
+            call_stats.record(call_stats.OUTCOME_SERVED, path=path, kind=KIND, model=state.label)
+            return out
+        # The first call of each weight version runs ComfyUI's Linear too (after the cast above
+        # is undone: one layer is never cast twice at once) and keeps the extension only if it agrees.
+        reference = self.previous(x)
+        failure = guard_failure(out, reference, EXT_GUARD_MAX_REL_L2[extensions.is_lossy(path)])
+        with state._lock:
+            if failure is None:
+                self.ext_guarded[(where, path)] = (extensions.generation(), version)
+            else:
+                self.ext_fallbacks[(where, path)] = (extensions.generation(), f"quality guard ({path}): {failure}")
+        if failure is not None:
+            log.warning("Triton Accel Linear: %s on %s goes back to ComfyUI's Linear for %s: %s", self.name,
+                        x.device, path, failure)
+            raise ExtensionHandBack(REASON_EXT_GUARD.format(path=path), reference)
+        call_stats.record(call_stats.OUTCOME_SERVED, path=path, kind=KIND, model=state.label)
+        return out
+
+    def _run_extension(self, path: str, x, weight, bias, reasons: list):
+        try:
+            out = extensions.run_linear(path, x, weight, bias)
+        except extensions.ExtensionCallError as e:
+            raise ExtensionHandBack(f"{path} failed: {e.reason}") from e
+        except BackendUnavailableError as e:  # unregistered, or re-registered narrower, since the plan
+            reasons.append(f"{path}: {e.reason}")
+            return None
         return out
 
     def bias_for(self, x: torch.Tensor):
@@ -269,9 +405,11 @@ class LinearLayer:
         # ComfyUI casts the bias to the input's dtype (cast_bias_weight's bias_dtype) too.
         return None if bias is None else bias.to(x.dtype)
 
-    def check_call(self, x, min_tokens: int, streamed: bool = False) -> None:
+    def check_call(self, x, min_tokens: int, streamed: bool = False, ours: bool = True) -> None:
         """HandBack unless this call's input and weights are ours to serve (cheap checks only).
-        streamed: the weight comes from ComfyUI's dynamic-VRAM cast, not from module.weight."""
+        streamed: the weight comes from ComfyUI's dynamic-VRAM cast, not from module.weight.
+        ours=False: only what every candidate needs (extensions bring their own fallbacks and
+        minimum tokens)."""
         if self.skip_reason:
             raise HandBack(self.skip_reason)
         if type(x) is not torch.Tensor:
@@ -287,7 +425,7 @@ class LinearLayer:
         if ((len(getattr(module, "weight_function", ())) or len(getattr(module, "bias_function", ())))
                 and (not streamed or weight.dtype == torch.float8_e4m3fn)):
             raise HandBack(REASON_WEIGHT_FUNCTION)
-        fallback = self.fallbacks.get(str(x.device))
+        fallback = self.fallbacks.get(str(x.device)) if ours else None
         if fallback is not None:
             raise HandBack(REASON_GUARD if fallback.startswith("quality guard") else REASON_KERNEL_ERROR)
         bias = module.bias
@@ -299,7 +437,7 @@ class LinearLayer:
             raise HandBack(f"weight dtype {weight.dtype} is not float16/bfloat16/float32/float8_e4m3fn")
         if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
             raise HandBack(REASON_SHAPE)
-        if x.numel() // weight.shape[1] < min_tokens:
+        if ours and x.numel() // weight.shape[1] < min_tokens:
             raise HandBack(self.state.few_tokens_reason)
 
 
@@ -314,6 +452,9 @@ _live_states_lock = threading.Lock()
 # clones): kept on the model so the copy, whose layers hold the model's modules, dies with it.
 _MODEL_STATES_ATTR = "_triton_accel_linear_states"
 _model_states_lock = threading.Lock()
+
+
+_NO_PLAN = object()  # "not decided yet" in LinearPatchState._plans, where None means "no extension"
 
 
 class LinearPatchState:
@@ -336,6 +477,7 @@ class LinearPatchState:
         self.weights_token = None  # patches_uuid of the weight patches ComfyUI loaded last
         self.interrupt_check = None
         self._refusals: dict[tuple, str | None] = {}
+        self._plans: dict[tuple, tuple | None] = {}
         self._lock = threading.RLock()
         with _live_states_lock:
             _live_states.add(self)
@@ -349,9 +491,23 @@ class LinearPatchState:
     # -- what serves a call
     def method_for(self, device: torch.device, weight: torch.Tensor) -> str:
         decision = self.settings.linear_decision_for(device, weight.dtype == torch.float8_e4m3fn)
-        if decision.path == PATH_PYTORCH:
-            raise HandBack(decision.reason)
+        if decision.path == PATH_PYTORCH or extensions.is_extension_path(decision.path):
+            raise HandBack(decision.reason)  # an extension's calls never reach our methods
         return decision.path
+
+    def extension_plan(self, device: torch.device, weight: torch.Tensor) -> tuple | None:
+        """(extensions tried before ours, whether ours is tried, extensions after) for calls on
+        `device`, or None when no extension is involved (the calls take our path alone)."""
+        is_fp8 = weight.dtype == torch.float8_e4m3fn
+        key = (str(device), is_fp8, extensions.generation())
+        plan = self._plans.get(key, _NO_PLAN)
+        if plan is _NO_PLAN:
+            plan = extension_plan(self.settings, device, is_fp8)
+            with self._lock:  # another thread may clear the dict meanwhile: return our own answer
+                if len(self._plans) > 64:
+                    self._plans.clear()
+                self._plans[key] = plan
+        return plan
 
     def refusal(self, method: str, device: torch.device, dtype) -> str | None:
         key = (method, str(device), dtype)
@@ -554,8 +710,53 @@ class LinearPatchState:
         return sum(e.nbytes() for layer in self.layers for e in layer.entries.values())
 
     def fallback_report(self) -> list[dict]:
-        return [{"model": self.label, "layer": layer.name, "device": device, "reason": reason}
+        rows = [{"model": self.label, "layer": layer.name, "device": device, "reason": reason}
                 for layer in self.layers for device, reason in layer.fallbacks.items()]
+        current = extensions.generation()
+        return rows + [{"model": self.label, "layer": layer.name, "device": device, "reason": reason}
+                       for layer in self.layers for (device, _path), (gen, reason) in list(layer.ext_fallbacks.items())
+                       if gen == current]
+
+
+def extension_plan(settings: AccelSettings, device, weight_is_fp8: bool = False) -> tuple | None:
+    """Where other packs' Linear (kernels/extensions.py) stands for calls on `device`:
+    (extensions before ours, whether ours is tried, extensions after ours), or None when none is.
+
+    - mode "ext:<name>" that the device admits: that extension alone;
+    - auto where auto runs one of our methods (gpu_rules.select_linear_method: NVIDIA GPUs),
+      every Linear extension whose constraints admit the device joins ours in the registry's
+      priority order (ours: kernels.linear.PRIORITY; a tie goes to ours). auto times no Linear
+      method, so none is timed: each is judged by the quality guard, as ours is;
+    - anything else (the CPU, AMD in auto, forced fp8/int8/fp8_weight_only, off): none.
+    """
+    from ..kernels.device import describe
+
+    decision = settings.linear_decision_for(device, weight_is_fp8)
+    if extensions.is_extension_path(decision.path):
+        return (decision.path,), False, ()
+    if settings.linear_mode != "auto" or decision.path == PATH_PYTORCH:
+        return None
+    paths = extensions.paths_by_priority(describe(device), kind=extensions.KIND_LINEAR)
+    if not paths:
+        return None
+    ranks = {p: getattr(extensions.get(p), "priority", -(1 << 30)) for p in paths}
+    return (tuple(p for p in paths if ranks[p] > OUR_PRIORITY), True,
+            tuple(p for p in paths if ranks[p] <= OUR_PRIORITY))
+
+
+def extension_plan_text(settings: AccelSettings, device) -> str:
+    """One line on the Linear extensions auto considers on `device` ("" when none)."""
+    try:
+        plan = extension_plan(settings, device)
+    except Exception as e:  # text for a node: never raises
+        log.debug("Triton Accel Linear: no extension plan for %s: %s", device, e)
+        return ""
+    if plan is None or not plan[1]:
+        return ""
+    before, _, after = plan
+    order = [*before, "ours", *after]
+    return (f"Linear extensions auto considers on {device} (by priority, each checked against ComfyUI's Linear on "
+            f"its first call per layer): {' > '.join(order)}")
 
 
 def _submodule(root: torch.nn.Module, name: str):
@@ -725,10 +926,11 @@ def _run_streamed(layer: LinearLayer, x: torch.Tensor, method: str, weight_dtype
     state, module = layer.state, layer.module
     weight, bias, handle = state.weight_cast.cast(module, x, weight_dtype)
     try:
-        weight, scale = _with_stored_scale(module, weight.detach())
+        # uncast gets the cast's own tensors back, not the scaled copy the kernels take.
+        scaled, scale = _with_stored_scale(module, weight.detach())
         prepare = state.backend.prepare_per_call or state.backend.prepare
         try:
-            prepared = prepare(weight.detach(), method, scale)
+            prepared = prepare(scaled.detach(), method, scale)
         except state.backend.input_error as e:
             entry.refusal = str(getattr(e, "reason", e))
             return None
@@ -739,11 +941,16 @@ def _run_streamed(layer: LinearLayer, x: torch.Tensor, method: str, weight_dtype
 
 def streamed_call(layer: LinearLayer, x: torch.Tensor, compiling: bool):
     """One call of a layer whose weight ComfyUI's dynamic VRAM streams."""
-    state = layer.state
     try:
         method, weight_dtype, entry = _streamed_plan(layer, x, compiling)
     except HandBack as e:
         return layer._original((x,), {}, str(e))
+    return _streamed_run(layer, x, method, weight_dtype, entry)
+
+
+def _streamed_run(layer: LinearLayer, x: torch.Tensor, method: str, weight_dtype, entry: StreamedEntry):
+    """Our kernel on a streamed call _streamed_plan accepted, guarded on its weight version's first call."""
+    state = layer.state
     # A guarded call may run ours twice: the first cast of a layer with a LoRA can write a
     # rounded copy of the patched weight back into the VBAR (update_weight: stochastic rounding
     # of an FP8 weight, ~5 % per element), which the reference then reads; ours runs again on
@@ -856,7 +1063,9 @@ def patched_linear_text(patched, settings: AccelSettings) -> str:
     device = getattr(patched, "load_device", None)
     try:
         device = torch.device(device) if device is not None else default_device()
-        return f"{text}\nLinear on {device}: {settings.linear_decision_for(device).reason}"
+        text = f"{text}\nLinear on {device}: {settings.linear_decision_for(device).reason}"
+        plan = extension_plan_text(settings, device)
+        return f"{text}\n{plan}" if plan else text
     except Exception as e:
         log.warning("Triton Accel: could not probe device %r for %s: %s: %s", device, state.label,
                     type(e).__name__, e)

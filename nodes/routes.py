@@ -12,6 +12,7 @@ import logging
 import sys
 
 from .. import kernels
+from ..kernels import extensions
 from . import call_stats
 from .status import status_payload
 
@@ -29,6 +30,15 @@ def stats_payload() -> dict:
     # Linear layers the quality guard (or a kernel error) sent back to ComfyUI's Linear for good.
     payload["linear_fallbacks"] = fallback_report()
     return payload
+
+
+def reset_counts() -> None:
+    """What POST /triton_accel/stats/reset zeroes: the per-call counts, the kernels' counters and
+    the calls served / handed back per extension (the status panel's Extensions section), so
+    the panel's numbers all start from the same moment."""
+    call_stats.reset()
+    kernels.stats.reset()
+    extensions.reset_counts()
 
 
 async def body_too_large(request) -> bool:
@@ -75,8 +85,7 @@ def register_routes() -> bool:
         if await body_too_large(request):
             return web.json_response({"error": f"this route takes no body (at most {MAX_BODY_BYTES} bytes)"},
                                      status=413)
-        call_stats.reset()
-        kernels.stats.reset()
+        reset_counts()
         return web.json_response(stats_payload())
 
     try:

@@ -31,12 +31,18 @@ SEARCH_ALIASES = ["attention", "sage", "sageattention", "flash", "fp8", "int8", 
 # Every (device, mode) decision made in this server, for the status route: what the nodes and
 # the patched models really use, next to what auto would pick.
 _decisions_made: dict[tuple[str, str], Decision] = {}
+_linear_decisions_made: dict[tuple[str, str], Decision] = {}  # (device, linear mode): the Linear side
 _made_lock = threading.Lock()
 
 
 def decisions_made() -> dict[tuple[str, str], Decision]:
     with _made_lock:
         return dict(_decisions_made)
+
+
+def linear_decisions_made() -> dict[tuple[str, str], Decision]:
+    with _made_lock:
+        return dict(_linear_decisions_made)
 
 
 def user_facing(decision: Decision, mode: str) -> Decision:
@@ -62,8 +68,8 @@ class AccelSettings:
     def __init__(self, mode: str = "auto", linear_mode: str = "auto"):
         if mode not in MODES and not extensions.is_extension_path(mode):
             raise ValueError(f"unknown mode {mode!r}; expected one of {MODES} or 'ext:<name>'")
-        if linear_mode not in LINEAR_MODES:
-            raise ValueError(f"unknown Linear mode {linear_mode!r}; expected one of {LINEAR_MODES}")
+        if linear_mode not in LINEAR_MODES and not extensions.is_extension_path(linear_mode):
+            raise ValueError(f"unknown Linear mode {linear_mode!r}; expected one of {LINEAR_MODES} or 'ext:<name>'")
         self.mode = mode
         self.linear_mode = linear_mode
         self._decisions: dict[str, Decision] = {}
@@ -102,10 +108,19 @@ class AccelSettings:
             with self._lock:
                 decision = self._linear_decisions.get(key)
                 if decision is None:
-                    decision = select_linear_method(probe(device), self.linear_mode, bool(weight_is_fp8))
+                    decision = self._select_linear(device, bool(weight_is_fp8))
                     self._linear_decisions[key] = decision
+                    with _made_lock:
+                        _linear_decisions_made[(key[0], self.linear_mode)] = decision
                     log.debug("Triton Accel Linear on %s: %s", key[0], decision.reason)
         return decision
+
+    def _select_linear(self, device, weight_is_fp8: bool) -> Decision:
+        if extensions.is_extension_path(self.linear_mode):  # another pack's Linear, forced
+            from ..kernels.device import describe
+
+            return extensions.forced_decision(self.linear_mode, describe(device), kind=extensions.KIND_LINEAR)
+        return select_linear_method(probe(device), self.linear_mode, weight_is_fp8)
 
     # ModelPatcher.clone() deep-copies model_options; the settings are shared, not copied.
     def __deepcopy__(self, memo):
@@ -169,7 +184,19 @@ def mode_choices() -> list[str]:
 
 def mode_labels() -> dict[str, str]:
     labels = {m: MODE_LABELS.get(m, m) for m in MODES}
-    for entry in extensions.list_extensions():
+    for entry in extensions.list_extensions(extensions.KIND_ATTENTION):
+        labels[entry["path"]] = f"{entry['path']} ({entry['label']}, from {entry['pack']})"
+    return labels
+
+
+def linear_mode_choices() -> list[str]:
+    """The `linear` dropdown: our Linear modes, then "ext:<name>" for each Linear other packs registered."""
+    return list(LINEAR_MODES) + list(extensions.paths_by_priority(kind=extensions.KIND_LINEAR))
+
+
+def linear_mode_labels() -> dict[str, str]:
+    labels = {m: m for m in LINEAR_MODES}
+    for entry in extensions.list_extensions(extensions.KIND_LINEAR):
         labels[entry["path"]] = f"{entry['path']} ({entry['label']}, from {entry['pack']})"
     return labels
 
@@ -182,13 +209,16 @@ def describe_decision(settings: AccelSettings, device) -> str:
 
 def linear_text(settings: AccelSettings, device) -> str:
     """The Linear decision(s) for `device` and the layers the quality guard sent back."""
-    from .patch_linear import fallback_summary  # patch_linear imports this module
+    from .patch_linear import extension_plan_text, fallback_summary  # patch_linear imports this module
 
     linear = settings.linear_decision_for(device)
     text = f"Linear: {linear.reason}"
     linear_fp8 = settings.linear_decision_for(device, weight_is_fp8=True)
     if linear_fp8.path != linear.path:
         text += f"\nLinear, FP8 checkpoint weights: {linear_fp8.reason}"
+    plan = extension_plan_text(settings, device)
+    if plan:
+        text += f"\n{plan}"
     fallbacks = fallback_summary()
     return f"{text}\n{fallbacks}" if fallbacks else text
 
@@ -246,25 +276,31 @@ class TritonAccelSettings:
                     "tooltip": "The device whose decision is shown here (auto: ComfyUI's main device). Every "
                                "GPU still gets its own decision when the model runs on it.",
                 }),
-                "linear": (list(LINEAR_MODES), {
+                "linear": (linear_mode_choices(), {
                     "default": "auto",
                     "tooltip": "Linear layers (Triton Accel Patch Linear / Patch): auto: FP8 W8A8 on sm_89+, "
                                "INT8 W8A8 on sm_75-sm_86 (FP8 weight-only on sm_80/86 for FP8 checkpoints), "
-                               "ComfyUI's Linear elsewhere. fp8 / int8 / fp8_weight_only: force that method. "
-                               "off: ComfyUI's Linear layers, untouched.",
+                               "ComfyUI's Linear elsewhere; Linear extensions of other packs join by priority "
+                               "there. fp8 / int8 / fp8_weight_only: force that method. ext:<name>: the Linear "
+                               "another node pack registered (docs/extension_api.md), forced. off: ComfyUI's "
+                               "Linear layers, untouched.",
+                    "triton_accel_labels": linear_mode_labels(),
                 }),
             },
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, mode="auto", device=DEVICE_AUTO):
+    def VALIDATE_INPUTS(cls, mode="auto", device=DEVICE_AUTO, linear="auto"):
         # Workflows saved while `device` was free text carry values the dropdown may not list
         # ("cuda:1" on a one-GPU machine, a typo): they run, and the node says what is wrong.
-        # Likewise a saved "ext:<name>" whose pack is not installed here: the node says so and
-        # ComfyUI's attention runs. Any other mode is an error, as the dropdown's own check was.
-        if mode in MODES or extensions.is_extension_path(mode):
-            return True
-        return f"mode {mode!r} is not one of {', '.join(MODES)} or ext:<name>"
+        # Likewise a saved "ext:<name>" (mode or linear) whose pack is not installed here: the
+        # node says so and ComfyUI's attention / Linear runs. Any other value is an error, as
+        # the dropdown's own check was (naming an input here turns ComfyUI's check off for it).
+        if mode not in MODES and not extensions.is_extension_path(mode):
+            return f"mode {mode!r} is not one of {', '.join(MODES)} or ext:<name>"
+        if linear not in LINEAR_MODES and not extensions.is_extension_path(linear):
+            return f"linear {linear!r} is not one of {', '.join(LINEAR_MODES)} or ext:<name>"
+        return True
 
     def configure(self, mode: str, device: str = DEVICE_AUTO, linear: str = "auto"):
         settings = AccelSettings(mode, linear_mode=linear)

@@ -24,7 +24,7 @@ from .. import kernels
 from ..kernels import extensions, gpu_rules
 from . import call_stats
 from .device_probe import cached_facts, probe, summary
-from .settings import decisions_made, user_facing
+from .settings import decisions_made, linear_decisions_made, user_facing
 
 log = logging.getLogger("triton_accel")
 
@@ -194,18 +194,29 @@ def benchmark_status() -> dict:
 
 
 def extensions_status(devices: list[torch.device], speed_rows: list[dict]) -> list[dict]:
-    """Other packs' attention implementations (kernels/extensions.py): what list_extensions()
-    gives, plus per device whether it may run there, whether a node forces it there and at how
-    many of auto's measured shape classes it was timed and kept."""
+    """Other packs' attention and Linear implementations (kernels/extensions.py): what
+    list_extensions() gives (with `kind`), plus per device whether it may run there and whether a
+    node forces it there; attention: at how many of auto's measured shape classes it was timed
+    and kept; Linear: whether auto considers it there (patch_linear.extension_plan)."""
     in_use = decisions_made()
+    linear_in_use = linear_decisions_made()
     out = []
     for entry in extensions.list_extensions():
         per_device = []
         for device in devices:
             where = str(device)
+            refusal = extensions.device_refusal(entry["path"], kernels.describe(device))
+            if entry["kind"] == extensions.KIND_LINEAR:
+                forced = any(dev == where and d.path == entry["path"] for (dev, _mode), d in linear_in_use.items())
+                # auto considers Linear extensions where auto runs one of our methods (NVIDIA GPUs).
+                considers = refusal is None and _linear_auto_runs_ours(device)
+                auto_used = considers and any(dev == where and mode == "auto" for dev, mode in linear_in_use)
+                per_device.append({"device": where, "eligible": refusal is None, "refusal": refusal,
+                                   "forced": forced, "auto_considers_here": considers,
+                                   "chosen": forced or auto_used})
+                continue
             rows = [r for r in speed_rows
                     if r.get("device") == where and entry["path"] in (r.get("timings_ms") or {})]
-            refusal = extensions.device_refusal(entry["path"], kernels.describe(device))
             forced = any(dev == where and d.path == entry["path"] for (dev, _mode), d in in_use.items())
             kept = sum(1 for r in rows if r.get("choice") == entry["path"])
             # auto times (and so may choose an extension) on GPUs only: patch_attention.timed_on.
@@ -214,6 +225,15 @@ def extensions_status(devices: list[torch.device], speed_rows: list[dict]) -> li
                                "kept_shape_classes": kept, "chosen": forced or kept > 0})
         out.append({**entry, "devices": per_device})
     return out
+
+
+def _linear_auto_runs_ours(device: torch.device) -> bool:
+    try:
+        return gpu_rules.select_linear_method(probe(device, selfcheck_kernel=False), "auto").path != \
+            gpu_rules.PATH_PYTORCH
+    except Exception as e:  # a broken driver: the panel says "not considered" rather than failing
+        log.debug("Triton Accel: no Linear decision for %s: %s", device, e)
+        return False
 
 
 def status_payload() -> dict:

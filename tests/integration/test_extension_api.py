@@ -1,5 +1,9 @@
 """Issue 14, extension API: examples/triton_accel_example_ext next to this pack in a real ComfyUI.
 
+The example registers one attention (ext:example-sdpa) and one Linear (ext:example-linear);
+both are checked here: listed by the status route, offered by the Settings node's dropdowns,
+forced in a sampling run that they serve, and agreeing with the unpatched run.
+
 A server of its own (this module's fixture, built with conftest's harness): the shared session
 server must keep exactly our five modes in the Settings dropdown (test_attention_patch checks
 that), and this one has the example pack installed as a third custom-node folder. ComfyUI
@@ -14,6 +18,12 @@ Tolerance: the latent sampled with the extension forced against the unpatched ru
 extension is PyTorch SDPA on [B, H, L, D] views, ComfyUI's attention the same SDPA or its
 sub-quadratic attention: summation order only, ~1e-7 measured there; a 1 % attention error
 moves this latent by 2.4e-3).
+
+The Linear extension forced through TritonAccelPatchLinear (Settings `linear` =
+ext:example-linear) is held to the same 1e-4: it is torch's F.linear in float32 on the float32
+weight and input ComfyUI's own Linear uses on the CPU (the only difference: ComfyUI passes
+the bias to F.linear too, the same call), and the default skip patterns leave the embedders,
+head and modulation to ComfyUI exactly.
 """
 from __future__ import annotations
 
@@ -26,7 +36,7 @@ from pathlib import Path
 import pytest
 
 import conftest as harness
-from it_workflows import patch, read_latent, rel_l2, sampling_workflow
+from it_workflows import linear_patch, patch, read_latent, rel_l2, sampling_workflow
 
 EXAMPLE = harness.REPO / "examples" / "triton_accel_example_ext"
 EXAMPLE_FOLDER = "triton_accel_example_ext"
@@ -58,6 +68,7 @@ def _add_late_pack(custom_nodes: Path) -> str:
         folder.rmdir()
     pytest.fail(f"no folder name lists after {harness.PACK_FOLDER_NAME} here")
 PATH = "ext:example-sdpa"
+LINEAR_PATH = "ext:example-linear"
 FAMILY = "wan21"
 LATENT_TOL = 1e-4
 
@@ -201,3 +212,93 @@ def test_side_panel_and_dropdown_show_the_extension(server, tmp_path):
                   "devices cpu, cuda", "cpu: "):
         assert words in text, text
     assert seen["box"]["rect"][2] > 100 and seen["box"]["rect"][3] > 40, seen["box"]
+
+
+# ---- the Linear extension -------------------------------------------------------------------
+
+def _linear_extension(status: dict) -> dict:
+    found = [e for e in status.get("extensions", []) if e["path"] == LINEAR_PATH]
+    assert found, f"{LINEAR_PATH} is not listed: {status.get('extensions')}"
+    return found[0]
+
+
+def test_linear_extension_is_listed_and_offered(server):
+    status = server.get_json("/triton_accel/status")
+    ext = _linear_extension(status)
+    assert ext["kind"] == "linear" and _extension(status)["kind"] == "attention"
+    assert ext["pack"] == EXAMPLE_FOLDER and ext["priority"] == 10 and ext["lossy"] is False
+    c = ext["constraints"]
+    assert c["device_types"] == ["cpu", "cuda"] and c["in_features_multiple_of"] == 8 and c["min_tokens"] == 1
+    cpu = next(d for d in ext["devices"] if d["device"] == "cpu")
+    # auto on the CPU runs none of our Linear methods, so it considers no extension there either.
+    assert cpu["eligible"] is True and cpu["auto_considers_here"] is False, ext["devices"]
+    info = server.object_info("TritonAccelSettings")["TritonAccelSettings"]
+    linear = info["input"]["optional"]["linear"]
+    options = linear[0] if isinstance(linear[0], list) else linear[1]["options"]
+    assert options == ["auto", "fp8", "int8", "fp8_weight_only", "off", LINEAR_PATH], options
+    assert linear[-1]["triton_accel_labels"][LINEAR_PATH].startswith(f"{LINEAR_PATH} (torch Linear")
+    # The attention dropdown lists attention extensions only.
+    mode = info["input"]["required"]["mode"]
+    assert LINEAR_PATH not in (mode[0] if isinstance(mode[0], list) else mode[1]["options"])
+
+
+def test_forced_linear_extension_serves_sampling_and_matches_comfyui(server):
+    reference, _ = _sample(server, (), "linear-ref")
+    latent, stats = _sample(server, [linear_patch(LINEAR_PATH, min_tokens=1)], "linear-ext")
+    linear = stats["kinds"]["linear"]
+    served = linear["paths"].get(LINEAR_PATH, 0)
+    assert served > 0, f"the Linear extension served no call: {linear}"
+    assert linear["served"] == served, linear  # nothing of ours ran
+    # What went back is what the default skip patterns leave to ComfyUI, never a failure.
+    assert all(r.startswith("name matches skip pattern") for r in linear["reasons"]), linear["reasons"]
+    err = rel_l2(latent, reference)
+    print(f"\n[integration] {LINEAR_PATH}: {served} calls served, {linear['handed_back']} handed back; "
+          f"latent rel. L2 vs unpatched {err:.3e}")
+    assert err < LATENT_TOL
+    status = server.get_json("/triton_accel/status")
+    ext = _linear_extension(status)
+    assert ext["served"] >= served and ext["handed_back"] == {}, ext
+    cpu = next(d for d in ext["devices"] if d["device"] == "cpu")
+    assert cpu["forced"] is True and cpu["chosen"] is True, cpu
+    # The stats reset route zeroes the extensions' counts too (the panel's numbers restart together).
+    server.reset_stats()
+    after = server.get_json("/triton_accel/status")
+    assert _linear_extension(after)["served"] == 0 and _extension(after)["served"] == 0
+
+
+def test_saved_workflow_with_a_linear_extension_not_installed_still_runs(server):
+    reference, _ = _sample(server, (), "linear-ref2")
+    latent, stats = _sample(server, [linear_patch("ext:not-installed-linear", min_tokens=1)], "linear-missing")
+    linear = stats["kinds"]["linear"]
+    assert linear["served"] == 0 and linear["handed_back"] > 0, linear
+    assert any(r.startswith("ext:not-installed-linear asked, but no Linear extension of that name is registered")
+               for r in linear["reasons"]), linear["reasons"]
+    assert rel_l2(latent, reference) == 0.0
+
+
+def test_side_panel_and_linear_dropdown_show_the_linear_extension(server, tmp_path):
+    """The web extension in a real browser: the Extensions section shows the Linear extension
+    as such (its kind, feature constraints) and the Settings node's `linear` dropdown shows its
+    label. Screenshot: tests/integration/artifacts/ui_comfyui-<version>_linear_extension_panel.png."""
+    from test_web_display import ARTIFACTS, _tools
+
+    node, chromium, pw = _tools()
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / f"ui_comfyui-{server.version}_linear_extension_panel.png"
+    proc = subprocess.run([node, str(harness.HERE / "web_extension_panel.mjs"), server.url, str(shot),
+                           str(tmp_path / "profile"), LINEAR_PATH, "linear"],
+                          env=dict(os.environ, PLAYWRIGHT_CORE=pw, CHROMIUM=chromium),
+                          capture_output=True, text=True, timeout=240, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no result from the browser (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    seen = json.loads(lines[-1])
+    assert seen["ok"], json.dumps(seen)[:4000]
+    ours = seen["ourConsole"] + [e for e in seen["pageErrors"] if "triton" in e.lower()]
+    assert not ours, seen
+    assert LINEAR_PATH in seen["mode"]["values"], seen["mode"]
+    assert seen["mode"]["label"].startswith(f"{LINEAR_PATH} (torch Linear"), seen["mode"]
+    text = seen["box"]["text"]
+    for words in (f"[Linear] {LINEAR_PATH}: torch Linear, fp32 accumulation (example pack) (from {EXAMPLE_FOLDER}), "
+                  "priority 10", "in features 8–65536 (multiples of 8)", "min tokens 1", "devices cpu, cuda",
+                  "cpu: "):
+        assert words in text, text

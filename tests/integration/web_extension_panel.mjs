@@ -2,12 +2,15 @@
 // headless Chromium (playwright-core) against a running ComfyUI that has an extension pack
 // installed. Prints one JSON line with what it saw. Used by test_extension_api.py.
 //
-//   node web_extension_panel.mjs <server url> <screenshot file> <user-data-dir> <extension path>
+//   node web_extension_panel.mjs <server url> <screenshot file> <user-data-dir> <extension path> [widget]
+//
+// widget: the Settings node dropdown that lists the extension ("mode" for attention, the
+// default; "linear" for a Linear extension).
 //
 // Env: PLAYWRIGHT_CORE (path of the playwright-core package folder), CHROMIUM (executable).
 import { createRequire } from "node:module";
 
-const [url, shot, userDataDir, extPath] = process.argv.slice(2);
+const [url, shot, userDataDir, extPath, widgetName = "mode"] = process.argv.slice(2);
 const require = createRequire(import.meta.url);
 const { chromium } = require(process.env.PLAYWRIGHT_CORE || "playwright-core");
 const timeout = 60000;
@@ -39,13 +42,13 @@ try {
     await page.waitForTimeout(1000);
     result.steps.push("app ready");
     // The mode dropdown of a new Settings node: its values and the label our extension shows.
-    result.mode = await page.evaluate((extPath) => {
+    result.mode = await page.evaluate(([extPath, widgetName]) => {
         const node = window.LiteGraph.createNode("TritonAccelSettings");
         window.app.graph.add(node);
-        const mode = node.widgets.find((w) => w.name === "mode");
+        const mode = node.widgets.find((w) => w.name === widgetName);
         const values = typeof mode.options.values === "function" ? mode.options.values() : mode.options.values;
         return { values, label: mode.options.getOptionLabel?.(extPath) ?? null };
-    }, extPath);
+    }, [extPath, widgetName]);
     // A first-run dialog (templates, release notes) may cover the page: close it first.
     for (let i = 0; i < 3; i++) await page.keyboard.press("Escape");
     const opened = await page.evaluate(async () => {

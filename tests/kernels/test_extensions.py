@@ -352,3 +352,257 @@ def test_calls_from_many_threads_while_the_extension_is_replaced():
     for t in threads:
         t.join()
     assert unexpected == [] and served and all(served)
+
+
+# ---- Linear extensions (register_linear) ----------------------------------------------------
+#
+# Tolerance for a Linear extension through run_linear against F.linear called directly: exact
+# (atol 0) — the guard hands the extension's own output back unchanged, so any difference means
+# the call was altered on the way.
+
+def f_linear(x, weight, bias):
+    return F.linear(x, weight, bias)
+
+
+def _xwb(tokens=24, k=64, n=48, lead=(2,), dtype=torch.float32, bias=True):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*lead, tokens, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+BAD_LINEAR_REGISTRATIONS = {
+    "ours-linear-mode": (dict(name="fp8_weight_only"), "Triton Accel's own"),
+    "ours-linear-method": (dict(name="int8_w8a8"), "Triton Accel's own"),
+    "ours-linear-word": (dict(name="linear"), "Triton Accel's own"),
+    "fn-attention-signature": (dict(fn=lambda x: x), "fn must accept fn(x, weight, bias)"),
+    "attention-key": (dict(constraints={"head_dims": (1, 64)}), "unknown constraint 'head_dims'"),
+    "in-features-reversed": (dict(constraints={"in_features": (128, 64)}), "in_features"),
+    "out-features-zero": (dict(constraints={"out_features": (0, 64)}), "out_features must be a pair"),
+    "multiple-zero": (dict(constraints={"in_features_multiple_of": 0}), "in_features_multiple_of must be"),
+    "multiple-float": (dict(constraints={"out_features_multiple_of": 8.0}), "out_features_multiple_of must be"),
+    "min-tokens-bool": (dict(constraints={"min_tokens": True}), "min_tokens must be"),
+    "dtype-fp8": (dict(constraints={"dtypes": ["float8_e4m3fn"]}), "dtype 'float8_e4m3fn'"),
+    "vendor-unknown": (dict(constraints={"vendors": ["nvidea"]}), "vendors ['nvidea']"),
+    "priority-too-low": (dict(priority=-1001), "priority"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LINEAR_REGISTRATIONS))
+def test_invalid_linear_registrations_raise_value_error_with_the_reason(case):
+    override, words = BAD_LINEAR_REGISTRATIONS[case]
+    args = {"name": "mine", "fn": f_linear, "constraints": CPU, **override}
+    with pytest.raises(ValueError) as info:
+        extensions.register_linear(**args)
+    assert words in str(info.value), str(info.value)
+    assert extensions.list_extensions() == []
+
+
+def test_one_name_space_for_both_kinds_and_unregister_covers_both():
+    attn = extensions.register_attention("shared-name", sdpa, constraints=CPU, pack="p")
+    with pytest.raises(ValueError, match="already registered as attention"):
+        extensions.register_linear("shared-name", f_linear, constraints=CPU, pack="p")
+    lin = extensions.register_linear("lin", f_linear, constraints=CPU, priority=3, pack="p")
+    listed = {e["path"]: e for e in extensions.list_extensions()}
+    assert listed[attn]["kind"] == "attention" and listed[lin]["kind"] == "linear"
+    assert listed[lin]["constraints"] == {"device_types": ["cpu"], "vendors": None, "min_capability": None,
+                                          "max_capability": None, "fp8": False,
+                                          "dtypes": ["bfloat16", "float16", "float32"],
+                                          "in_features": [1, 1 << 20], "out_features": [1, 1 << 20],
+                                          "in_features_multiple_of": 1, "out_features_multiple_of": 1,
+                                          "min_tokens": 1}
+    assert [e["path"] for e in extensions.list_extensions("linear")] == [lin]
+    assert extensions.paths_by_priority() == (attn,) and extensions.paths_by_priority(kind="linear") == (lin,)
+    # A Linear extension is no attention backend, and the other way round.
+    q, k, v = _qkv()
+    with pytest.raises(BackendUnavailableError):
+        kernels.attention(q, k, v, backend=lin)
+    x, w, b = _xwb()
+    with pytest.raises(BackendUnavailableError, match="unknown Linear extension"):
+        extensions.run_linear(attn, x, w, b)
+    assert extensions.unregister(lin) and extensions.unregister("shared-name")
+    assert extensions.list_extensions() == []
+
+
+def test_the_package_forwards_register_linear():
+    assert triton_accel.register_linear is extensions.register_linear
+    assert triton_accel.reset_counts is extensions.reset_counts
+    assert triton_accel.LinearConstraints is extensions.LinearConstraints
+    assert triton_accel.API_VERSION == 1  # register_linear is an addition: hasattr(api, "register_linear")
+
+
+LINEAR_DEVICE_CASES = [
+    ({"device_types": ["cuda"], "min_capability": (8, 9)}, {"h200", "rtx5090", "mi300"}),
+    ({"device_types": ["cuda"], "vendors": ["nvidia"], "max_capability": (8, 6)}, {"rtx3090"}),
+    # fp8: FP8 tensor cores on GPUs (gpu_rules: sm_89+, OCP e4m3 on AMD); the CPU is not judged by
+    # tensor cores (registry.Constraints' rule for attention too).
+    ({"device_types": ["cpu", "cuda"], "fp8": True}, {"cpu", "h200", "rtx5090"}),
+]
+
+
+@pytest.mark.parametrize("constraints, admitted", LINEAR_DEVICE_CASES, ids=["sm89+", "nvidia-upto-sm86", "fp8"])
+def test_linear_device_constraints(constraints, admitted):
+    path = extensions.register_linear("dev", f_linear, constraints=constraints)
+    got = {name for name, info in DEVICES.items() if extensions.device_refusal(path, info) is None}
+    assert got == admitted
+    assert extensions.paths_by_priority(DEVICES["h200"], kind="linear") == ((path,) if "h200" in admitted else ())
+
+
+LINEAR_CALL_CASES = {
+    # name: (constraints, _xwb kwargs, words of the refusal or None)
+    "dtype-refused": ({"dtypes": ["bf16"]}, {}, "dtype torch.float32 not supported"),
+    "in-range": ({"in_features": (1, 32)}, {}, "in_features 64 outside 1..32"),
+    "out-range": ({"out_features": (64, 128)}, {}, "out_features 48 outside 64..128"),
+    "in-multiple": ({"in_features_multiple_of": 128}, {}, "in_features 64 is not a multiple of 128"),
+    "out-multiple": ({"out_features_multiple_of": 32}, {}, "out_features 48 is not a multiple of 32"),
+    "min-tokens-all-leading-dims": ({"min_tokens": 49}, {"tokens": 24, "lead": (2,)}, "48 tokens < min_tokens 49"),
+    "accepted": ({"in_features_multiple_of": 16, "out_features_multiple_of": 16, "min_tokens": 48}, {}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(LINEAR_CALL_CASES))
+def test_linear_call_constraints_filter_what_the_extension_is_offered(case):
+    constraints, call, words = LINEAR_CALL_CASES[case]
+    fn_calls = []
+    path = extensions.register_linear("calls", lambda x, w, b: fn_calls.append(1) or F.linear(x, w, b),
+                                      constraints={**CPU, **constraints})
+    x, w, b = _xwb(**call)
+    refusal = extensions.linear_call_refusal(path, x, w, b)
+    if words is None:
+        assert refusal is None
+        torch.testing.assert_close(extensions.run_linear(path, x, w, b), F.linear(x, w, b), atol=0, rtol=0)
+        assert fn_calls == [1]
+    else:
+        assert refusal is not None and words in refusal, refusal
+        assert extensions.linear_shape_refusal(path, x, tuple(w.shape), True) == refusal
+        with pytest.raises(BackendUnavailableError, match=words):
+            extensions.run_linear(path, x, w, b)
+        assert fn_calls == []
+
+
+def test_linear_inputs_the_extension_is_never_offered():
+    path = extensions.register_linear("inputs", f_linear, constraints=CPU)
+    x, w, b = _xwb()
+    for args, words in (((x, w.half(), b), "the weight must be in x's dtype"), ((x, w, b[:-1]), "bias must be"),
+                        ((x[..., :-1], w, b), "do not make a Linear call")):
+        with pytest.raises(BackendUnavailableError, match=words):
+            extensions.run_linear(path, *args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [dict(tokens=24, k=64, n=48), dict(tokens=1, k=32, n=96, lead=()),
+                                   dict(tokens=7, k=40, n=24, lead=(2, 3))], ids=["2d-batch", "one-token", "4d"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_registered_linear_serves_calls_by_name(dtype, shape, bias):
+    path = extensions.register_linear("f-linear", f_linear, constraints={**CPU, "dtypes": ["fp32", "fp16", "bf16"]})
+    x, w, b = _xwb(dtype=dtype, bias=bias, **shape)
+    out = extensions.run_linear(path, x, w, b)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=0, rtol=0)
+    assert out.shape == (*x.shape[:-1], w.shape[0]) and out.dtype == dtype
+    assert extensions.list_extensions()[0]["served"] == 1
+
+
+def _broken_linear(kind):
+    calls = []
+
+    def fn(x, weight, bias):
+        calls.append(1)
+        out = F.linear(x, weight, bias)
+        if kind == "raises":
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED\nmore lines")
+        if kind == "wrong-shape":
+            return out[..., :-1]
+        if kind == "wrong-dtype":
+            return out.double()
+        if kind == "wrong-device":
+            return out.to("meta")
+        if kind == "nan":
+            out[0, 0, 0] = math.nan
+            return out
+        if kind == "inf":
+            out[1, 2, 3] = -math.inf
+            return out
+        if kind == "not-a-tensor":
+            return out.tolist()
+        return out
+
+    return fn, calls
+
+
+BROKEN_LINEAR = {"raises": "raised RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED", "wrong-shape": "returned shape",
+                 "wrong-dtype": "returned dtype torch.float64", "wrong-device": "returned a tensor on meta",
+                 "nan": "NaN or Inf", "inf": "NaN or Inf", "not-a-tensor": "returned list"}
+
+
+@pytest.mark.parametrize("kind", list(BROKEN_LINEAR))
+def test_linear_failures_raise_extension_call_error_and_are_remembered(kind):
+    fn, calls = _broken_linear(kind)
+    path = extensions.register_linear("broken", fn, constraints=CPU)
+    x, w, b = _xwb()
+    with pytest.raises(ExtensionCallError) as info:
+        extensions.run_linear(path, x, w, b)
+    assert BROKEN_LINEAR[kind] in info.value.reason and "more lines" not in info.value.reason
+    assert extensions.linear_call_refusal(path, x, w, b) == info.value.reason
+    with pytest.raises(ExtensionCallError):
+        extensions.run_linear(path, x, w, b)
+    assert len(calls) == 1, "a signature that failed is not tried again"
+    entry = extensions.list_extensions()[0]
+    assert entry["served"] == 0 and entry["handed_back"] == {info.value.reason: 2}
+    # Another signature is tried afresh; a re-registration forgets the failures.
+    x2, _, _ = _xwb(tokens=5)
+    with pytest.raises(ExtensionCallError):
+        extensions.run_linear(path, x2, w, b)
+    assert len(calls) == 2
+    extensions.register_linear("broken", f_linear, constraints=CPU)
+    assert extensions.linear_call_refusal(path, x, w, b) is None
+    torch.testing.assert_close(extensions.run_linear(path, x, w, b), F.linear(x, w, b), atol=0, rtol=0)
+
+
+def test_reset_counts_zeroes_both_kinds():
+    attn = extensions.register_attention("a", sdpa, constraints=CPU)
+    lin = extensions.register_linear("l", _broken_linear("nan")[0], constraints=CPU)
+    q, k, v = _qkv()
+    kernels.attention(q, k, v, backend=attn)
+    x, w, b = _xwb()
+    with pytest.raises(ExtensionCallError):
+        extensions.run_linear(lin, x, w, b)
+    counts = {e["path"]: (e["served"], sum(e["handed_back"].values())) for e in extensions.list_extensions()}
+    assert counts == {attn: (1, 0), lin: (0, 1)}
+    extensions.reset_counts()
+    assert all(e["served"] == 0 and e["handed_back"] == {} for e in extensions.list_extensions())
+
+
+def test_linear_calls_from_many_threads_while_the_extension_is_replaced():
+    """MultiGPU work units call Linear layers from a thread per GPU; a pack may re-register
+    meanwhile. Every call either serves (F.linear's exact output) or raises one of the two
+    documented errors, and nothing else."""
+    import threading
+
+    path = extensions.register_linear("threaded", f_linear, constraints=CPU, pack="p")
+    x, w, b = _xwb(tokens=8, k=32, n=16)
+    ref = F.linear(x, w, b)
+    unexpected, served = [], []
+
+    def caller():
+        for _ in range(40):
+            try:
+                out = extensions.run_linear(path, x, w, b)
+            except (ExtensionCallError, BackendUnavailableError):
+                continue
+            except Exception as e:  # noqa: BLE001 - the test reports anything else
+                unexpected.append(repr(e))
+                continue
+            served.append(torch.equal(out, ref))
+
+    threads = [threading.Thread(target=caller) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for i in range(40):
+        extensions.register_linear("threaded", f_linear, constraints=CPU, priority=i, pack="p")
+        if i % 5 == 0:
+            extensions.unregister("threaded")
+            extensions.register_linear("threaded", f_linear, constraints=CPU, pack="p")
+    for t in threads:
+        t.join()
+    assert unexpected == [] and served and all(served)

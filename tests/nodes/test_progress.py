@@ -170,7 +170,7 @@ def test_patch_records_the_device_auto_measured_on(tmp_path, monkeypatch):
     monkeypatch.setattr(patch_attention, "timed_on", lambda device: True)
     monkeypatch.setattr(patch_attention, "probe", lambda device: types.SimpleNamespace(
         name="Fake GPU", arch="sm_90", torch_version="2.x", triton_version="3.x"))
-    settings = types.SimpleNamespace(decision_for=lambda device: Decision(
+    settings = types.SimpleNamespace(mode="auto", decision_for=lambda device: Decision(
         FP16, "measured in the test", measure=True, candidates=(FP16,)))
     label = call_stats.new_model_label("SD15")
     override = patch_attention.AttentionOverride(settings, label=label)

@@ -4,7 +4,7 @@
 //   and in Nodes 2.0, kept with the workflow (node.properties) so a reload shows it again;
 // - mode labels that say what each stored value means (fp16 runs FP16 and BF16);
 // - the "Triton Accel" side panel: /triton_accel/status (devices, paths, per-model call counts,
-//   auto's measurements, other packs' attention extensions, install health, the last benchmark chart).
+//   auto's measurements, other packs' attention and Linear extensions, install health, the last benchmark chart).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -243,39 +243,58 @@ function renderMeasurements(root, status) {
     ])));
 }
 
-// Other packs' attention implementations (docs/extension_api.md): one box each, with its
-// constraints, its priority and, per device, whether it may run there and whether it is used.
+// Other packs' attention and Linear implementations (docs/extension_api.md): one box each,
+// with its kind, its constraints, its priority and, per device, whether it may run there and
+// whether it is used.
+function extensionConstraintsText(x) {
+    const c = x.constraints ?? {};
+    const caps = c.min_capability || c.max_capability ?
+        `, capability ${[c.min_capability, c.max_capability].map((v) => (v ? v.join(".") : "any")).join("–")}` : "";
+    const devices = `devices ${(c.device_types ?? []).join(", ")}` + (c.vendors ? ` (${c.vendors.join(", ")})` : "") +
+        `${caps}, ${(c.dtypes ?? []).join("/")}`;
+    if (x.kind === "linear") {
+        const features = (name) => {
+            const range = c[name] ?? [];
+            const multiple = c[`${name}_multiple_of`] ?? 1;
+            return `${name.replace("_", " ")} ${range.join("–")}` + (multiple > 1 ? ` (multiples of ${multiple})` : "");
+        };
+        return `${devices}, ${features("in_features")}, ${features("out_features")}, min tokens ${c.min_tokens ?? 1}`;
+    }
+    return `${devices}, head dims ${(c.head_dims ?? []).join("–")}, ` +
+        `masks ${(c.masks ?? []).join("/")}${c.gqa ? ", GQA" : ""}${c.causal ? ", causal" : ""}`;
+}
+
+function extensionUseText(x, d) {
+    if (!d.eligible) return `cannot run: ${d.refusal}`;
+    if (d.forced) return "forced by a Settings node";
+    if (x.kind === "linear") {
+        return d.auto_considers_here ? "auto considers it by priority next to ours (checked per layer)" :
+            `may run; auto does not use Linear extensions on this device (Settings linear ${x.path} forces it)`;
+    }
+    if (d.measured_shape_classes) return `auto kept it at ${d.kept_shape_classes} of ${d.measured_shape_classes} shape classes`;
+    if (d.auto_times_here === false) return `may run; auto does not time on this device (mode ${x.path} forces it)`;
+    return "not timed by auto yet";
+}
+
 function renderExtensions(root, status) {
     const list = status.extensions ?? [];
     root.appendChild(el("h3", "Extensions"));
     if (!list.length) {
-        root.appendChild(el("div", "No other pack registered an attention implementation.", "ta-muted"));
+        root.appendChild(el("div", "No other pack registered an attention or Linear implementation.", "ta-muted"));
         return;
     }
     for (const x of list) {
         const box = el("div", null, "ta-box");
         box.dataset.tritonAccelExtension = x.path;
-        box.appendChild(el("div", `${x.path}: ${x.label} (from ${x.pack}), priority ${x.priority}` +
+        const kind = x.kind === "linear" ? "Linear" : "attention";
+        box.dataset.tritonAccelExtensionKind = x.kind ?? "attention";
+        box.appendChild(el("div", `[${kind}] ${x.path}: ${x.label} (from ${x.pack}), priority ${x.priority}` +
                                   (x.lossy ? ", lossy" : "")));
-        const c = x.constraints ?? {};
-        const caps = c.min_capability || c.max_capability ?
-            `, capability ${[c.min_capability, c.max_capability].map((v) => (v ? v.join(".") : "any")).join("–")}` : "";
-        box.appendChild(el("div", `devices ${(c.device_types ?? []).join(", ")}` +
-                                  (c.vendors ? ` (${c.vendors.join(", ")})` : "") + `${caps}, ` +
-                                  `${(c.dtypes ?? []).join("/")}, head dims ${(c.head_dims ?? []).join("–")}, ` +
-                                  `masks ${(c.masks ?? []).join("/")}${c.gqa ? ", GQA" : ""}${c.causal ? ", causal" : ""}`,
-                         "ta-muted"));
+        box.appendChild(el("div", extensionConstraintsText(x), "ta-muted"));
         const handed = Object.entries(x.handed_back ?? {});
         box.appendChild(el("div", `${x.served} calls served, ${handed.reduce((n, [, c]) => n + c, 0)} handed back`));
         for (const [reason, calls] of handed) box.appendChild(el("div", `${calls}× ${reason}`, "ta-fix"));
-        for (const d of x.devices ?? []) {
-            const use = !d.eligible ? `cannot run: ${d.refusal}` :
-                d.forced ? "forced by a Settings node" :
-                d.measured_shape_classes ? `auto kept it at ${d.kept_shape_classes} of ${d.measured_shape_classes} shape classes` :
-                d.auto_times_here === false ? `may run; auto does not time on this device (mode ${x.path} forces it)` :
-                "not timed by auto yet";
-            box.appendChild(el("div", `${d.device}: ${use}`));
-        }
+        for (const d of x.devices ?? []) box.appendChild(el("div", `${d.device}: ${extensionUseText(x, d)}`));
         root.appendChild(box);
     }
 }
@@ -400,14 +419,22 @@ app.registerExtension({
     },
     async beforeRegisterNodeDef(nodeType, nodeData) {
         if (!String(nodeData?.name ?? "").startsWith(NODE_PREFIX)) return;
-        const labels = nodeData.input?.required?.mode?.[1]?.triton_accel_labels;
+        // Dropdowns whose options carry labels: the Settings node's mode and linear (extensions).
+        const labelled = {};
+        for (const group of [nodeData.input?.required, nodeData.input?.optional]) {
+            for (const [name, spec] of Object.entries(group ?? {})) {
+                const labels = spec?.[1]?.triton_accel_labels;
+                if (labels) labelled[name] = labels;
+            }
+        }
         const onNodeCreated = nodeType.prototype.onNodeCreated;
         nodeType.prototype.onNodeCreated = function () {
             const result = onNodeCreated?.apply(this, arguments);
-            const mode = labels && this.widgets?.find((w) => w.name === "mode");
-            if (mode) {
-                mode.options = mode.options ?? {};
-                mode.options.getOptionLabel = (value) => labels[value] ?? String(value ?? "");
+            for (const [name, labels] of Object.entries(labelled)) {
+                const widget = this.widgets?.find((w) => w.name === name);
+                if (!widget) continue;
+                widget.options = widget.options ?? {};
+                widget.options.getOptionLabel = (value) => labels[value] ?? String(value ?? "");
             }
             return result;
         };
