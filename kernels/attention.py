@@ -584,11 +584,7 @@ def _dispatch_lse(q, k, v, attn_mask, scale, is_causal, backend):
         _decisions[key] = entry
     name, fn = entry
     stats.increment(name)
-    if q.is_cuda and q.device.index != torch.cuda.current_device():
-        with torch.cuda.device(q.device):
-            out, lse = fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
-    else:
-        out, lse = fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+    out, lse = _on_q_device(fn, q, k, v, attn_mask, scale, is_causal)
     return (out if fn is _triton_lse else _promised_layout(out, q, v)), lse
 
 
@@ -619,15 +615,18 @@ def _dispatch(q, k, v, attn_mask, scale, is_causal, backend):
             _decisions.clear()
         _decisions[key] = impl
     stats.increment(impl.name)
+    out = _on_q_device(impl.fn, q, k, v, attn_mask, scale, is_causal)
+    # The Triton launchers allocate with empty_like(q) themselves (and serve only v's head dim = q's).
+    return out if impl.fn is _triton else _promised_layout(out, q, v)
+
+
+def _on_q_device(fn, q, k, v, attn_mask, scale, is_causal):
     if q.is_cuda and q.device.index != torch.cuda.current_device():
         # Triton launches on the current device; on a rig with two GPUs the model on the
         # second one would otherwise hand device-1 pointers to a device-0 launch.
         with torch.cuda.device(q.device):
-            out = impl.fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
-    else:
-        out = impl.fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
-    # The Triton launchers allocate with empty_like(q) themselves (and serve only v's head dim = q's).
-    return out if impl.fn is _triton else _promised_layout(out, q, v)
+            return fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
+    return fn(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal)
 
 
 def _promised_layout(out, q, v):
