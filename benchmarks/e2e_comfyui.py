@@ -261,6 +261,32 @@ def profile_step(run, device, folder: Path, label: str) -> None:
     print(f"[profile] {label}: host {host_ms:.1f} ms, step {total_ms:.1f} ms", flush=True)
 
 
+def kernel_profile_step(run, folder: Path, label: str) -> None:
+    """One more step under torch.profiler (E2E_KPROFILE=<folder>): device time per kernel,
+    grouped by name, largest first: where the GPU time of a step goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        dev = getattr(ev, "device_time_total", None)
+        if dev is None:
+            dev = getattr(ev, "cuda_time_total", 0.0)
+        if dev:
+            rows.append((dev / 1e3, ev.count, ev.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    lines = [f"device total {total:.1f} ms (kernels, one step)", "ms | share | calls | kernel"]
+    lines += [f"{ms:.2f} | {100 * ms / total:.1f}% | {n} | {key[:160]}" for ms, n, key in rows[:45]]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"kprofile_{label}.txt").write_text("\n".join(lines) + "\n")
+    print(f"[kprofile] {label}: device {total:.1f} ms", flush=True)
+
+
 # The weights each variant's model is built with (default bf16).
 WEIGHTS_OF = {"comfy-fp8-fast": "fp8-fast", "ours-fp8ckpt": "fp8"}
 # variant -> (attention mode or None, Linear mode or None); None: that part is not patched.
@@ -326,6 +352,9 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
         comfy.model_management.load_models_gpu([patcher], force_full_load=True)
         with ctx:
             ms, out, first_ms = time_steps(step_fn(patcher, x, t, context, kwargs), steps, device)
+            if os.environ.get("E2E_KPROFILE") and device.type == "cuda":
+                kernel_profile_step(step_fn(patcher, x, t, context, kwargs), Path(os.environ["E2E_KPROFILE"]),
+                                    f"{name}_{variant}{'_dynamic' if dynamic_vram else ''}")
             if os.environ.get("E2E_CPROFILE"):
                 profile_step(step_fn(patcher, x, t, context, kwargs), device, Path(os.environ["E2E_CPROFILE"]),
                              f"{name}_{variant}{'_dynamic' if dynamic_vram else ''}")

@@ -52,13 +52,24 @@ SHAPES = {
     "wan_proj": (32760, 5120, 5120),
     "wan_ffn_up": (32760, 5120, 13824),
     "wan_ffn_down": (32760, 13824, 5120),
+    # Flux's other big ones: the double blocks' attention output projection and the single
+    # blocks' fused qkv+MLP-in (3072 -> 21504) and out (15360 -> 3072) at 4608 + 512 tokens.
+    "flux_proj": (4608, 3072, 3072),
+    "flux_single_in": (5120, 3072, 21504),
+    "flux_single_out": (5120, 15360, 3072),
 }
-SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s, TMA=tma)
-         for bm, bn, bk, g, w, s, tma in (
-             (128, 256, 128, 8, 8, 3, True), (128, 256, 64, 8, 8, 5, True), (128, 256, 64, 8, 8, 4, True),
-             (128, 128, 128, 8, 4, 4, True), (128, 128, 128, 8, 8, 5, True), (256, 128, 128, 8, 8, 3, True),
-             (128, 256, 128, 16, 8, 3, True), (128, 256, 128, 32, 8, 3, True), (128, 128, 128, 16, 8, 5, True),
-             (128, 256, 128, 16, 8, 3, False), (128, 128, 128, 8, 8, 4, False))]
+# The sweep: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA, FLATTEN, EPILOGUE_SUBTILE).
+# 128x128 and 64x256 tiles give twice the tiles of 128x256: fewer idle SMs in the last wave
+# where 128x256 leaves one (Flux's 4608x3072 outputs: 432 tiles on 132 SMs, 3.3 waves).
+SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s, TMA=tma, FLATTEN=fl,
+              EPILOGUE_SUBTILE=sub)
+         for bm, bn, bk, g, w, s, tma, fl, sub in (
+             (128, 256, 128, 16, 8, 3, True, False, False), (128, 256, 128, 16, 8, 3, True, True, False),
+             (128, 256, 128, 16, 8, 4, True, False, True), (128, 256, 128, 16, 8, 4, True, True, True),
+             (128, 128, 128, 16, 8, 5, True, False, False), (128, 128, 128, 16, 8, 5, True, True, False),
+             (128, 128, 128, 16, 4, 5, True, True, False), (128, 128, 128, 8, 8, 4, True, True, True),
+             (64, 256, 128, 16, 4, 4, True, True, False), (256, 128, 128, 16, 8, 3, True, True, False),
+             (128, 256, 128, 16, 8, 3, False, False, False))]
 
 
 def rel_l2(a, b):
@@ -81,7 +92,8 @@ def bench(fn):
 
 def cfg_name(c):
     return (f"{'tma' if c['TMA'] else 'ptr'}_{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
-            f"_g{c['GROUP_M']}_w{c['num_warps']}_s{c['num_stages']}")
+            f"_g{c['GROUP_M']}_w{c['num_warps']}_s{c['num_stages']}"
+            f"{'_flat' if c.get('FLATTEN') else ''}{'_sub' if c.get('EPILOGUE_SUBTILE') else ''}")
 
 
 def small_checks(gen):

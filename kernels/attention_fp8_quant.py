@@ -48,6 +48,19 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # wgmma / mma k-step, so the side dot costs one instruction per score tile.
 N_OUTLIER = 16
 STATS_ROWS = 512  # rows per stats program: Flux 4608 tokens x 24 heads -> 216 programs
+# Launch shape of the three kernels (quantize_qkv's `tuning` overrides any key, for sweeps):
+# STATS_ROWS rows per stats program, read STATS_SUB rows a step with STATS_WARPS warps and the
+# loop's loads software-pipelined STATS_STAGES deep; QUANT_WARPS for the quantising kernel
+# (None: 8 for 128x128 tiles, else 4); Q_SAMPLE: the stats read Q's rows only in every
+# Q_SAMPLE-th chunk (Q's statistics only rank the outlier channels; K and V are read whole).
+# benchmarks/fp8_quant_bench.py --sweep on the H200 (Triton 3.6, 2026-12-03, device time of the
+# stats kernel, Flux / Wan / HunyuanVideo): 0.054 / 0.441 / 0.277 ms unpipelined (2.3 TB/s at
+# Wan), 0.036 / 0.285 / 0.181 with STATS_STAGES=3 (3.5 TB/s); 128- or 256-row programs, 64-row
+# steps and 8 warps were all slower; Q_SAMPLE=4 saved 0.06 ms at Wan unpipelined (left at 1).
+# Picking the outlier columns out of the register tile with tl.gather instead of loading them
+# again measured slower (Wan quantising kernel 0.95 ms against 0.58), so they are reloaded.
+QUANT_TUNING = dict(STATS_ROWS=STATS_ROWS, STATS_SUB=None, STATS_WARPS=4, STATS_STAGES=3, QUANT_WARPS=None,
+                    Q_SAMPLE=1)
 
 
 class QuantizedQKV(NamedTuple):
@@ -93,7 +106,7 @@ if triton is not None:
 
     @triton.jit
     def _column_stats(X, stride_l, stride_d, chunk, L, cols, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-                      SUB: tl.constexpr, BLOCK_D: tl.constexpr):
+                      SUB: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
         """(sum, min, max) per channel of rows [chunk*ROWS, (chunk+1)*ROWS) that are < L.
 
         Accumulated elementwise in [SUB, BLOCK_D] registers and reduced over rows once at the
@@ -102,7 +115,7 @@ if triton is not None:
         a_sum = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
         a_min = tl.full([SUB, BLOCK_D], float("inf"), dtype=tl.float32)
         a_max = tl.full([SUB, BLOCK_D], float("-inf"), dtype=tl.float32)
-        for r in range(0, ROWS, SUB):
+        for r in tl.range(0, ROWS, SUB, num_stages=STAGES):
             rows = chunk * ROWS + r + tl.arange(0, SUB)
             inside = (rows[:, None] < L) & (cols[None, :] < HEAD_DIM)
             x = tl.load(X + rows[:, None].to(tl.int64) * stride_l + cols[None, :] * stride_d,
@@ -123,7 +136,7 @@ if triton is not None:
         stride_vb, stride_vh, stride_vl, stride_vd,
         H, LQ, LK, NCH, BH,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr,
-        NEED_Q: tl.constexpr,
+        NEED_Q: tl.constexpr, Q_SAMPLE: tl.constexpr, STAGES: tl.constexpr = 1,
     ):
         """PART[s, bh, chunk, :] for s = max|q|, sum k, min k, max k, sum v, min v, max v.
         Program (chunk, bh, role): role Q (only when NEED_Q), K or V, one tensor each."""
@@ -136,21 +149,24 @@ if triton is not None:
         plane = BH * NCH * BLOCK_D  # partials are small: int32 is enough
         P = PART + (bh.to(tl.int64) * NCH + chunk) * BLOCK_D + cols
         if role == 0:
-            Xq = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-            c_sum, c_min, c_max = _column_stats(Xq, stride_ql, stride_qd, chunk, LQ, cols, HEAD_DIM, ROWS, SUB,
-                                                BLOCK_D)
-            tl.store(P, tl.maximum(c_max, -c_min))  # max|q|; -inf on empty chunks, never picked
+            if chunk % Q_SAMPLE == 0:
+                Xq = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+                c_sum, c_min, c_max = _column_stats(Xq, stride_ql, stride_qd, chunk, LQ, cols, HEAD_DIM, ROWS,
+                                                    SUB, BLOCK_D, STAGES)
+                tl.store(P, tl.maximum(c_max, -c_min))  # max|q|; -inf on empty chunks, never picked
+            else:
+                tl.store(P, tl.full([BLOCK_D], float("-inf"), dtype=tl.float32))  # not sampled
         elif role == 1:
             Xk = K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
             c_sum, c_min, c_max = _column_stats(Xk, stride_kl, stride_kd, chunk, LK, cols, HEAD_DIM, ROWS, SUB,
-                                                BLOCK_D)
+                                                BLOCK_D, STAGES)
             tl.store(P + plane, c_sum)
             tl.store(P + 2 * plane, c_min)
             tl.store(P + 3 * plane, c_max)
         else:
             Xv = V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
             c_sum, c_min, c_max = _column_stats(Xv, stride_vl, stride_vd, chunk, LK, cols, HEAD_DIM, ROWS, SUB,
-                                                BLOCK_D)
+                                                BLOCK_D, STAGES)
             tl.store(P + 4 * plane, c_sum)
             tl.store(P + 5 * plane, c_min)
             tl.store(P + 6 * plane, c_max)
@@ -315,10 +331,11 @@ def _carve(buffer: torch.Tensor, shapes):
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_m: int, block_n: int,
-                 n_outlier: int = N_OUTLIER, exact_cast: bool = False) -> QuantizedQKV:
+                 n_outlier: int = N_OUTLIER, exact_cast: bool = False, tuning: dict | None = None) -> QuantizedQKV:
     """q [B, H, Lq, D], k/v [B, H, Lk, D] (fp16/bf16/fp32, any strides, same head count) ->
     QuantizedQKV for attention_fp8_full's kernel. `scale` is the softmax scale; block_m /
-    block_n must be the attention kernel's tile sizes (one scale per tile)."""
+    block_n must be the attention kernel's tile sizes (one scale per tile). `tuning`: keys of
+    QUANT_TUNING to override (launch shapes only; the result is the same but for Q_SAMPLE)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     bh = B * H
@@ -326,7 +343,12 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     n = int(n_outlier)
     if n and (n & (n - 1) or n < 16):
         raise ValueError(f"n_outlier must be 0 or a power of two >= 16 (2*n is an fp8 MMA depth), got {n}")
-    nch = max(triton.cdiv(max(Lq if n else 0, Lk), STATS_ROWS), 1)
+    tune = dict(QUANT_TUNING, **(tuning or {}))
+    rows = int(tune["STATS_ROWS"])
+    sub = int(tune["STATS_SUB"] or (32 if block_d >= 128 else 64))
+    if rows & (rows - 1) or sub & (sub - 1) or rows % sub:
+        raise ValueError(f"STATS_ROWS ({rows}) and STATS_SUB ({sub}) must be powers of two, ROWS a multiple of SUB")
+    nch = max(triton.cdiv(max(Lq if n else 0, Lk), rows), 1)
     nqb, nkb = triton.cdiv(Lq, block_m), triton.cdiv(Lk, block_n)
     lq_pad, lk_pad = nqb * block_m, nkb * block_n
     w = max(2 * n, 16)  # side operand width; 16 bytes when unused, keeping the pieces aligned
@@ -343,8 +365,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
     _fp8_stats_kernel[(nch, bh, 3 if n else 2)](
         q, k, v, part, *q.stride(), *k.stride(), *v.stride(), H, Lq, Lk, nch, bh,
-        HEAD_DIM=D, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=32 if block_d >= 128 else 64, NEED_Q=n > 0,
-        num_warps=4)
+        HEAD_DIM=D, BLOCK_D=block_d, ROWS=rows, SUB=sub, NEED_Q=n > 0, Q_SAMPLE=int(tune["Q_SAMPLE"]),
+        STAGES=int(tune["STATS_STAGES"]), num_warps=int(tune["STATS_WARPS"]))
     _fp8_finalize_kernel[(bh,)](part, k_mean, v_mean, sv, idx, Lk, nch, bh,
                                 HEAD_DIM=D, BLOCK_D=block_d, N_OUT=n, CH=16, num_warps=4)
     big = max(block_m, block_n) * block_d >= 16384  # 128x128 fp32 tiles want 8 warps
@@ -353,7 +375,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E,
         H, Lq, Lk, lq_pad, lk_pad, nqb, nkb,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, N_OUT=n, EXACT_CAST=exact_cast,
-        num_warps=8 if big else 4)
+        num_warps=int(tune["QUANT_WARPS"] or (8 if big else 4)))
     return QuantizedQKV(q8, sq, qs, k8, sk, ks, vt8, sv, v_mean, n, block_m, block_n)
 
 
@@ -376,12 +398,13 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
     unit = {f"stride_{t}d": 1 for t in "qkv"}
     aligned_strides = [f"stride_{t}{a}" for t in "qkv" for a in "bhl"]
 
-    const = dict(unit, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=32 if block_d >= 128 else 64,
-                 NEED_Q=n_outlier > 0)
+    const = dict(unit, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=QUANT_TUNING["STATS_ROWS"],
+                 SUB=QUANT_TUNING["STATS_SUB"] or (32 if block_d >= 128 else 64), NEED_Q=n_outlier > 0,
+                 Q_SAMPLE=QUANT_TUNING["Q_SAMPLE"], STAGES=QUANT_TUNING["STATS_STAGES"])
     names = ["Q", "K", "V", "PART", *strides, "H", "LQ", "LK", "NCH", "BH", *const]
     sig, attrs = _signature(names, dict(Q=ptr, K=ptr, V=ptr, PART="*fp32"), const,
                             ["Q", "K", "V", "PART", *aligned_strides])
-    stats = ("_fp8_stats_kernel", _fp8_stats_kernel, sig, const, attrs, 4)
+    stats = ("_fp8_stats_kernel", _fp8_stats_kernel, sig, const, attrs, QUANT_TUNING["STATS_WARPS"])
 
     const = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, N_OUT=n_outlier, CH=16)
     names = ["PART", "KMEAN", "VMEAN", "SV", "IDX", "LK", "NCH", "BH", *const]
@@ -399,8 +422,9 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
                  **{n: "*fp32" for n in f32})
     sig, attrs = _signature(names, types, const, ["Q", "K", "V", "IDX", *fp8, *f32, *aligned_strides,
                                                   "LQ_PAD", "LK_PAD"])
-    warps = 8 if max(block_m, block_n) * block_d >= 16384 else 4
+    warps = QUANT_TUNING["QUANT_WARPS"] or (8 if max(block_m, block_n) * block_d >= 16384 else 4)
     return [stats, finalize, ("_fp8_quant_kernel", _fp8_quant_kernel, sig, const, attrs, warps)]
 
 
-__all__ = ["QuantizedQKV", "compile_specs", "quantize_qkv", "padded_head_dim", "N_OUTLIER", "FP8_MAX", "LOG2E"]
+__all__ = ["QuantizedQKV", "compile_specs", "quantize_qkv", "padded_head_dim", "N_OUTLIER", "FP8_MAX", "LOG2E",
+           "QUANT_TUNING"]

@@ -42,7 +42,7 @@ except Exception:  # importing the pack must work without Triton; callers check 
     triton = None
     tl = None
 
-from .attention_fp8_quant import STATS_ROWS, _carve, _signature, padded_head_dim
+from .attention_fp8_quant import QUANT_TUNING, STATS_ROWS, _carve, _signature, padded_head_dim
 from .attention_fp8_quant import compile_specs as _fp8_quant_specs
 from .kernel_common import LOG2E
 
@@ -218,11 +218,13 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if balance:  # max|q| per channel: role 0 alone writes plane 0 of its partials
         _fp8_stats_kernel[(nchq, bhq, 1)](
             q, q, q, part_q, *q.stride(), *q.stride(), *q.stride(), H, Lq, Lq, nchq, bhq,
-            HEAD_DIM=D, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=sub, NEED_Q=True, num_warps=4)
+            HEAD_DIM=D, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=sub, NEED_Q=True, Q_SAMPLE=1,
+            STAGES=QUANT_TUNING["STATS_STAGES"], num_warps=4)
     # K and V (NEED_Q=False: the role axis starts at K).
     _fp8_stats_kernel[(nchk, bhk, 2)](
         k, k, v, part_kv, *k.stride(), *k.stride(), *v.stride(), HK, Lk, Lk, nchk, bhk,
-        HEAD_DIM=D, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=sub, NEED_Q=False, num_warps=4)
+        HEAD_DIM=D, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=sub, NEED_Q=False, Q_SAMPLE=1,
+        STAGES=QUANT_TUNING["STATS_STAGES"], num_warps=4)
     _int8_finalize_kernel[(bhk,)](part_q, part_kv, k_mean, v_mean, sv, mig, Lk, H // HK, nchq, nchk, bhk,
                                   HEAD_DIM=D, BLOCK_D=block_d, CH=16, BALANCE=balance, num_warps=4)
     big = max(block_m, block_n) * block_d >= 16384  # 128x128 fp32 tiles want 8 warps

@@ -284,12 +284,16 @@ if triton is not None:
     def _fp8_linear_tma(
         a_desc, b_desc, c_desc, SA, SB, BIAS, M, N, K,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+        EPILOGUE_SUBTILE: tl.constexpr,
     ):
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        # FLATTEN folds the tile loop and the K loop into one software-pipelined loop (Triton's
+        # persistent-matmul tutorial): the next tile's first TMA loads are issued while this
+        # tile's epilogue runs, instead of the pipeline draining and refilling per tile.
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -301,8 +305,16 @@ if triton is not None:
                 acc = tl.dot(a, b.T, acc)
             rm = off_m + tl.arange(0, BLOCK_M)
             rn = off_n + tl.arange(0, BLOCK_N)
-            out = _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
-            c_desc.store([off_m, off_n], out.to(c_desc.dtype))  # TMA clips the partial tile
+            out = _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS).to(c_desc.dtype)
+            if EPILOGUE_SUBTILE:
+                # Two half-width stores through a half-size staging buffer: the shared memory
+                # saved goes to the operand ring (c_desc's block is [BLOCK_M, BLOCK_N // 2]).
+                halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+                left, right = tl.split(halves)
+                c_desc.store([off_m, off_n], left)  # TMA clips partial tiles
+                c_desc.store([off_m, off_n + BLOCK_N // 2], right)
+            else:
+                c_desc.store([off_m, off_n], out)  # TMA clips the partial tile
 
     @triton.jit
     def _fp8_linear_ptr(
@@ -382,10 +394,12 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
     if cfg.get("TMA") and not interpreter and _tma_usable(x_fp8, w.weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
+        subtile = bool(cfg.get("EPILOGUE_SUBTILE", False))
         a_desc = TensorDescriptor(x_fp8, [m, k], [k, 1], [bm, bk])
         b_desc = TensorDescriptor(w.weight, [n, k], [k, 1], [bn, bk])
-        c_desc = TensorDescriptor(out, [m, n], [n, 1], [bm, bn])
-        _fp8_linear_tma[(programs,)](a_desc, b_desc, c_desc, x_scale, w.scale, bias_arg, m, n, k, **common)
+        c_desc = TensorDescriptor(out, [m, n], [n, 1], [bm, bn // 2 if subtile else bn])
+        _fp8_linear_tma[(programs,)](a_desc, b_desc, c_desc, x_scale, w.scale, bias_arg, m, n, k,
+                                     FLATTEN=bool(cfg.get("FLATTEN", False)), EPILOGUE_SUBTILE=subtile, **common)
     else:
         _fp8_linear_ptr[(programs,)](x_fp8, w.weight, out, x_scale, w.scale, bias_arg, m, n, k,
                                      x_fp8.stride(0), w.weight.stride(0), out.stride(0), EVEN_K=k % bk == 0,
@@ -450,8 +464,10 @@ def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, 
     const = dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"], NUM_PROGRAMS=132)
     scalars = {"SA": "*fp32", "SB": "*fp32", "BIAS": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
     if use_tma:
+        subtile = bool(config.get("EPILOGUE_SUBTILE", False))
         sig = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
-               "c_desc": f"tensordesc<{out_dtype}[{bm}, {bn}]>", **scalars}
+               "c_desc": f"tensordesc<{out_dtype}[{bm}, {bn // 2 if subtile else bn}]>", **scalars}
+        const.update(FLATTEN=bool(config.get("FLATTEN", False)), EPILOGUE_SUBTILE=subtile)
         fn, aligned = _fp8_linear_tma, ["SA", "SB", "BIAS", "N", "K"]
     else:
         sig = {"A": "*fp8e4nv", "B": "*fp8e4nv", "C": f"*{out_dtype}", **scalars,

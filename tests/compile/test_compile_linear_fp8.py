@@ -33,7 +33,9 @@ FP8_MMA = {90: r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3",
 # (cc, family whose config is built, tma, out dtype, bias): the shipped config of every target,
 # sm_90's pointer variant too (its fallback where a tensor is not TMA-aligned), fp16 output.
 GOOD = [(90, "sm90", True, "bf16", True), (90, "sm90", False, "fp16", False),
-        (89, "sm89", False, "bf16", True), (120, "sm120", False, "fp16", True)]
+        (89, "sm89", False, "bf16", True), (120, "sm120", False, "fp16", True),
+        # linear_bench.py's sweep options: the flattened persistent loop with a split epilogue.
+        (90, "sm90", True, "bf16", True, {"FLATTEN": True, "EPILOGUE_SUBTILE": True, "num_stages": 4})]
 BAD = [(80, "sm89", False, "bf16", True), (86, "sm89", False, "bf16", False)]
 
 WORKER = r"""
@@ -53,12 +55,12 @@ def load():
     return importlib.import_module(name + ".kernels.linear_fp8")
 
 def compile_job(job):
-    cc, family, tma, out_dtype, bias = job
+    cc, family, tma, out_dtype, bias = job[:5]
     lf = load()
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    cfg = lf.LINEAR_FP8_CONFIGS[lf.config_family(family)]
+    cfg = dict(lf.LINEAR_FP8_CONFIGS[lf.config_family(family)], **(job[5] if len(job) > 5 else {}))
     out = []
     for fn, sig, const, attrs, opts in lf.compile_specs(cfg, out_dtype, bias, tma):
         name = fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__
@@ -89,17 +91,22 @@ def report():
                        text=True, env=env, timeout=900)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"compile worker failed:\n{p.stderr[-3000:]}"
-    return dict(zip(map(tuple, jobs), json.loads(lines[-1][7:])))
+    return dict(zip(map(_key, jobs), json.loads(lines[-1][7:])))
+
+
+def _key(job):
+    return tuple(json.dumps(x, sort_keys=True) if isinstance(x, dict) else x for x in job)
 
 
 def _ids(jobs):
-    return [f"sm{j[0]}-{'tma' if j[2] else 'ptr'}-{j[3]}{'-bias' if j[4] else ''}" for j in jobs]
+    return [f"sm{j[0]}-{'tma' if j[2] else 'ptr'}-{j[3]}{'-bias' if j[4] else ''}{'-flat-sub' if len(j) > 5 else ''}"
+            for j in jobs]
 
 
 @pytest.mark.parametrize("job", GOOD, ids=_ids(GOOD))
 def test_compiles_with_fp8_mma(report, job):
     cc = job[0]
-    results = report[job]
+    results = report[_key(job)]
     assert [r["kernel"] for r in results] == ["_quant_rows_fp8", "_fp8_linear_tma" if job[2] else "_fp8_linear_ptr"]
     for r in results:
         assert r["ok"], r.get("error")
@@ -116,7 +123,7 @@ def test_compiles_with_fp8_mma(report, job):
 
 @pytest.mark.parametrize("job", BAD, ids=_ids(BAD))
 def test_triton_refuses_fp8_below_sm89(report, job):
-    gemm = report[job][-1]
+    gemm = report[_key(job)][-1]
     assert not gemm["ok"], f"FP8 GEMM compiled for sm_{job[0]}"
     assert "fp8e4nv" in gemm["error"], gemm["error"]
 

@@ -142,6 +142,52 @@ def test_quantized_operands_are_padded_with_zeros_and_scaled():
     assert rel_l2(kd, k[0, 0].float()) < 0.03
 
 
+@pytest.mark.parametrize("tuning", [dict(STATS_ROWS=64), dict(STATS_ROWS=64, STATS_SUB=16, STATS_WARPS=8),
+                                    dict(STATS_ROWS=128, STATS_STAGES=1), dict(QUANT_WARPS=8)],
+                         ids=["rows64", "rows64_sub16_w8", "unpipelined", "quant_w8"])
+def test_launch_shapes_give_the_same_operands(tuning):
+    """QUANT_TUNING's launch shapes move work between programs, never change the result: the
+    statistics are sums and extrema (the same sums in another order agree to rounding, and the
+    K mean feeds every quantised K value, so compare those with a tolerance)."""
+    q, k, v = inputs("outlier", 1, 2, 300, 300, 64, torch.float16, seed=9)
+    base = quant.quantize_qkv(q, k, v, 0.1, 32, 32, exact_cast=True)
+    other = quant.quantize_qkv(q, k, v, 0.1, 32, 32, exact_cast=True, tuning=tuning)
+    for name in ("q8", "qs", "sq"):  # Q is not centred: no sum involved, the same bytes
+        assert torch.equal(getattr(base, name).float(), getattr(other, name).float()), name
+    for name in ("sv", "vmean", "sk"):
+        assert torch.allclose(getattr(base, name), getattr(other, name), rtol=1e-5, atol=1e-6), name
+    for name in ("k8", "vt8"):  # a mean one ulp off may move a rounding, rarely
+        assert (getattr(base, name).float() != getattr(other, name).float()).float().mean() < 0.01, name
+
+
+def test_q_sampling_ranks_the_same_outlier_channels_and_passes():
+    """Q_SAMPLE reads Q's statistics in one chunk of Q_SAMPLE (they only rank the outlier
+    channels, which are the same channels in every token): the accuracy on outlier inputs
+    stays."""
+    q, k, v = inputs("outlier", 1, 1, 512, 512, 64, torch.float16, seed=10)
+    cfg = full.default_config(q.device)
+    scale = 64 ** -0.5
+    whole = quant.quantize_qkv(q, k, v, scale, cfg["BLOCK_M"], cfg["BLOCK_N"], exact_cast=True,
+                               tuning=dict(STATS_ROWS=64))
+    sampled = quant.quantize_qkv(q, k, v, scale, cfg["BLOCK_M"], cfg["BLOCK_N"], exact_cast=True,
+                                 tuning=dict(STATS_ROWS=64, Q_SAMPLE=4))
+    # Q, K, V themselves are the same bytes (Q_SAMPLE touches only the channel ranking)...
+    for name in ("q8", "sq", "k8", "sk", "vt8", "sv", "vmean"):
+        assert torch.equal(getattr(whole, name).float(), getattr(sampled, name).float()), name
+    # ...and the ranking still finds the channels that matter: past the 4 outlier channels it
+    # orders noise, so the side operands may differ there, the accuracy not.
+    ref = full.attention_fp8_full_ref(q, k, v)
+    errs = [rel_l2(full.attention_fp8_full_quantized(x, q.shape, k.shape[2], q.dtype, q.device, cfg), ref)
+            for x in (whole, sampled)]
+    assert errs[1] <= TOL["outlier"][1] and errs[1] <= 1.2 * errs[0], errs
+
+
+def test_tuning_must_be_powers_of_two():
+    q, k, v = inputs("gauss", 1, 1, 40, 40, 64, torch.float16)
+    with pytest.raises(ValueError, match="powers of two"):
+        quant.quantize_qkv(q, k, v, 0.1, 32, 32, tuning=dict(STATS_ROWS=96))
+
+
 @pytest.mark.parametrize("what, kwargs, message", [
     ("mask", dict(attn_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool)), "masks are not supported"),
     ("causal", dict(is_causal=True), "is_causal is not supported"),

@@ -133,6 +133,7 @@ def main():
 
     legacy = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 3)
     at, sk, fp8 = kernel("attention_triton"), kernel("attention_short_kv"), kernel("attention_fp8")
+    fp8q = kernel("attention_fp8_quant")
     gpu_rules = kernel("gpu_rules")
     report = {"triton": triton.__version__, "triton_file": triton.__file__, "features": features(tl),
               "import_seconds": round(time.time() - t_import, 2), "refused": {}, "cases": []}
@@ -190,6 +191,12 @@ def main():
                 opts = dict(num_warps=cfg["num_warps"] if is_attn else 4, num_stages=cfg["num_stages"] if is_attn else 3)
                 build(name, "fp8" + ("" if is_attn else "_quant"), f"{dtype}_d{d}_mask{mask}{'_causal' if causal else ''}",
                       spec, opts, target)
+        # The full-FP8 attention's quantisers (statistics with a software-pipelined row loop,
+        # finalize, quantise): Hopper's and Ada's tiles, as quantize_qkv launches them.
+        if name in ("sm89", "sm90"):
+            for kname, fn, sig, constexprs, attrs, warps in fp8q.compile_specs("bf16", 128, 128, 128):
+                build(name, "fp8_full_quant", kname, (fn, sig, constexprs, attrs),
+                      dict(num_warps=warps, num_stages=3), target)
     print("RESULT " + json.dumps(report), flush=True)
 
 

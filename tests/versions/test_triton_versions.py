@@ -108,6 +108,9 @@ def test_kernels_compile_where_the_registry_serves(matrix, minor, target):
         assert "short_kv" in kernels, cases
     if target in ("sm89", "sm90", "sm120"):
         assert {"fp8", "fp8_quant"} <= kernels, cases
+    if target in ("sm89", "sm90"):
+        assert {c["case"] for c in wanted if c["kernel"] == "fp8_full_quant"} == {
+            "_fp8_stats_kernel", "_fp8_finalize_kernel", "_fp8_quant_kernel"}, cases
     failed = [f"{c['kernel']} {c['case']}: {c['error']}" for c in wanted if not c["ok"]]
     if failed and all(LLD_MISSING in f for f in failed):
         # Triton <= 3.4 links AMD code objects with ROCm's ld.lld, which its wheel does not

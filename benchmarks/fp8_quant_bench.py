@@ -1,0 +1,165 @@
+"""Where the full-FP8 attention's quantisation time goes, on the GPU.
+
+    python benchmarks/fp8_quant_bench.py [--out DIR] [--shapes flux,wan,hunyuan] [--iters N] [--sweep]
+
+Per shape (random bf16 inputs with outlier channels, never zeros):
+1. device time of each kernel of kernels.attention_fp8_quant.quantize_qkv (stats, finalize,
+   quantise) from torch.profiler over --iters calls, with the bytes each one must move and
+   the bandwidth that gives, beside a plain device copy of Q (read + write) as the ceiling;
+2. do_bench medians of quantize_qkv (with and without the outlier side operands), of the Gluon
+   FP8 kernel alone on its output, and of the whole call (quantisation + kernel), with
+   TFLOP/s and the share of the call the quantisation takes;
+3. SDPA cuDNN on the same bf16 inputs, for the ratio;
+4. --sweep: the kernels' device times for each launch shape in SWEEP (QUANT_TUNING overrides).
+Prints the table last; writes fp8_quant.json under --out (default: $OUT or .).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _load import load_pack  # noqa: E402
+
+pack = load_pack()
+quant = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_quant")
+glu = importlib.import_module(pack.__name__ + ".kernels.attention_gluon_hopper")
+
+SHAPES = {"flux": (1, 24, 4608, 128), "wan": (1, 40, 32760, 128), "hunyuan": (1, 24, 33390, 128)}
+# --sweep: quantize_qkv launch shapes (QUANT_TUNING keys) timed per kernel.
+SWEEP = [dict(), dict(STATS_STAGES=1), dict(STATS_STAGES=2), dict(STATS_STAGES=4), dict(STATS_ROWS=1024),
+         dict(STATS_ROWS=256), dict(Q_SAMPLE=4), dict(QUANT_WARPS=4), dict(QUANT_WARPS=16)]
+
+
+def inputs(shape, gen):
+    """Gaussian Q/K/V with what real DiT activations have: a per-channel offset on K and a few
+    channels of Q and V 10x larger."""
+    b, h, l, d = shape
+    q = torch.randn(shape, device="cuda", generator=gen)
+    k = torch.randn(shape, device="cuda", generator=gen) + 3.0 * torch.randn(1, h, 1, d, device="cuda", generator=gen)
+    v = torch.randn(shape, device="cuda", generator=gen)
+    ch = torch.randperm(d, device="cuda", generator=gen)[:4]
+    q[..., ch] *= 10.0
+    v[..., ch] *= 10.0
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+def bench(fn):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def kernel_times(fn, iters):
+    """{kernel name: mean device ms per call} over `iters` calls of fn, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = defaultdict(float)
+    for ev in prof.key_averages():
+        dev = getattr(ev, "device_time_total", None)
+        if dev is None:
+            dev = getattr(ev, "cuda_time_total", 0.0)
+        if dev and ev.key and not ev.key.startswith("ProfilerStep"):
+            total[ev.key] += dev / 1000.0 / iters
+    return dict(total)
+
+
+def run_shape(name, shape, gen, iters, log, do_sweep=False):
+    b, h, l, d = shape
+    q, k, v = inputs(shape, gen)
+    flops = 4.0 * b * h * l * l * d
+    elt = q.element_size()
+    n_el = b * h * l * d
+    res = dict(shape=name, dims=shape)
+    scale = d ** -0.5
+    cfg = glu.default_config(q.device)
+    bn = cfg["BLOCK_N"]
+
+    # Bytes each stage must move at least (the side operands' gathers come from cache lines the
+    # same program reads anyway; not counted).
+    res["bytes"] = dict(stats=3 * n_el * elt, quant=3 * n_el * elt + 3 * n_el, copy_q=2 * n_el * elt)
+    res["copy_q_ms"] = bench(lambda: q.clone())
+    res["copy_q_TBps"] = res["bytes"]["copy_q"] / res["copy_q_ms"] / 1e9
+    times = kernel_times(lambda: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn), iters)
+    res["kernels_ms"] = times
+    for stage, key in (("stats", "_fp8_stats_kernel"), ("finalize", "_fp8_finalize_kernel"),
+                       ("quant", "_fp8_quant_kernel")):
+        ms = sum(t for kname, t in times.items() if key in kname)
+        res[f"{stage}_ms"] = ms
+        if stage in res["bytes"] and ms:
+            res[f"{stage}_TBps"] = res["bytes"][stage] / ms / 1e9
+    sweep = []
+    for tune in SWEEP if do_sweep else ():
+        try:
+            t = kernel_times(lambda tune=tune: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn, tuning=tune), iters)
+            row = dict(tuning=tune, stats_ms=sum(x for n, x in t.items() if "_fp8_stats_kernel" in n),
+                       finalize_ms=sum(x for n, x in t.items() if "_fp8_finalize_kernel" in n),
+                       quant_ms=sum(x for n, x in t.items() if "_fp8_quant_kernel" in n))
+            row["device_ms"] = row["stats_ms"] + row["finalize_ms"] + row["quant_ms"]
+        except Exception as e:  # one bad launch shape must not hide the others
+            row = dict(tuning=tune, error=f"{type(e).__name__}: {e}"[:300])
+        sweep.append(row)
+        log(f"  sweep {name} {row}")
+    res["sweep"] = sweep
+    res["quantize_ms"] = bench(lambda: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn))
+    res["quantize_no_side_ms"] = bench(lambda: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn, n_outlier=0))
+    qkv = quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn)
+    res["kernel_ms"] = bench(lambda: glu.attention_gluon_fp8_quantized(qkv, q.shape, l, q.dtype, q.device, cfg))
+    res["full_ms"] = bench(lambda: glu.attention_gluon_fp8(q, k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+        res["cudnn_ms"] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    for key in ("kernel", "full", "cudnn"):
+        res[f"{key}_tflops"] = flops / res[f"{key}_ms"] / 1e9
+    res["full_vs_cudnn"] = res["cudnn_ms"] / res["full_ms"]
+    res["quant_share"] = 1.0 - res["kernel_ms"] / res["full_ms"]
+    log(json.dumps(res, default=str))
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="time each SWEEP launch shape's kernels")
+    args = ap.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(s):
+        print(s, flush=True)
+
+    reason = glu.gluon_refusal(torch.device("cuda"))
+    if reason:
+        log(f"Gluon FP8 refused here: {reason}")
+        return 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = [run_shape(n, SHAPES[n], gen, args.iters, log, args.sweep) for n in args.shapes.split(",")]
+    (out_dir / "fp8_quant.json").write_text(json.dumps(rows, indent=1, default=str))
+    log("\n| shape | copy Q TB/s | stats ms (TB/s) | finalize ms | quant ms (TB/s) | quantize_qkv ms (no side) "
+        "| kernel ms (TF/s) | full ms (TF/s) | cuDNN TF/s | full / cuDNN | quant share |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r['shape']} | {r['copy_q_TBps']:.2f} | {r['stats_ms']:.3f} ({r.get('stats_TBps', 0):.2f}) "
+            f"| {r['finalize_ms']:.3f} | {r['quant_ms']:.3f} ({r.get('quant_TBps', 0):.2f}) "
+            f"| {r['quantize_ms']:.3f} ({r['quantize_no_side_ms']:.3f}) | {r['kernel_ms']:.3f} ({r['kernel_tflops']:.0f}) "
+            f"| {r['full_ms']:.3f} ({r['full_tflops']:.0f}) | {r['cudnn_tflops']:.0f} | {r['full_vs_cudnn']:.3f}x "
+            f"| {100 * r['quant_share']:.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
