@@ -264,24 +264,12 @@ def profile_step(run, device, folder: Path, label: str) -> None:
 def kernel_profile_step(run, folder: Path, label: str) -> None:
     """One more step under torch.profiler (E2E_KPROFILE=<folder>): device time per kernel,
     grouped by name, largest first: where the GPU time of a step goes."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from _profile import device_ms_per_kernel
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        dev = getattr(ev, "device_time_total", None)
-        if dev is None:
-            dev = getattr(ev, "cuda_time_total", 0.0)
-        if dev:
-            rows.append((dev / 1e3, ev.count, ev.key))
-    rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    lines = [f"device total {total:.1f} ms (kernels, one step)", "ms | share | calls | kernel"]
-    lines += [f"{ms:.2f} | {100 * ms / total:.1f}% | {n} | {key[:160]}" for ms, n, key in rows[:45]]
+    rows = sorted(((ms, key) for key, ms in device_ms_per_kernel(run, warmup=False).items()), reverse=True)
+    total = sum(ms for ms, _ in rows)
+    lines = [f"device total {total:.1f} ms (kernels, one step)", "ms | share | kernel"]
+    lines += [f"{ms:.2f} | {100 * ms / total:.1f}% | {key[:160]}" for ms, key in rows[:45]]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"kprofile_{label}.txt").write_text("\n".join(lines) + "\n")
     print(f"[kprofile] {label}: device {total:.1f} ms", flush=True)

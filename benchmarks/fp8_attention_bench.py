@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load import load_pack  # noqa: E402
+from _profile import device_ms_per_kernel  # noqa: E402
 
 pack = load_pack()
 import importlib  # noqa: E402
@@ -138,21 +139,9 @@ def accuracy_at(shape, cfg, heads):
 
 def quant_breakdown(q, k, v, cfg, iters=10):
     """GPU time per quantisation kernel (torch.profiler), mean over iters calls, in ms."""
-    from torch.profiler import ProfilerActivity, profile
     scale = 1.0 / math.sqrt(q.shape[-1])
-    fn = lambda: quant.quantize_qkv(q, k, v, scale, cfg["BLOCK_M"], cfg["BLOCK_N"])  # noqa: E731
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if "_fp8_" in ev.key:
-            out[ev.key] = t / iters / 1000.0
-    return out
+    times = device_ms_per_kernel(lambda: quant.quantize_qkv(q, k, v, scale, cfg["BLOCK_M"], cfg["BLOCK_N"]), iters)
+    return {name: ms for name, ms in times.items() if "_fp8_" in name}
 
 
 def graph_ms(fn):

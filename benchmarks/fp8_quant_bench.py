@@ -20,13 +20,13 @@ import importlib
 import json
 import os
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load import load_pack  # noqa: E402
+from _profile import device_ms_per_kernel  # noqa: E402
 
 pack = load_pack()
 quant = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_quant")
@@ -57,26 +57,6 @@ def bench(fn):
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def kernel_times(fn, iters):
-    """{kernel name: mean device ms per call} over `iters` calls of fn, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    total = defaultdict(float)
-    for ev in prof.key_averages():
-        dev = getattr(ev, "device_time_total", None)
-        if dev is None:
-            dev = getattr(ev, "cuda_time_total", 0.0)
-        if dev and ev.key and not ev.key.startswith("ProfilerStep"):
-            total[ev.key] += dev / 1000.0 / iters
-    return dict(total)
-
-
 def run_shape(name, shape, gen, iters, log, do_sweep=False):
     b, h, l, d = shape
     q, k, v = inputs(shape, gen)
@@ -93,7 +73,7 @@ def run_shape(name, shape, gen, iters, log, do_sweep=False):
     res["bytes"] = dict(stats=3 * n_el * elt, quant=3 * n_el * elt + 3 * n_el, copy_q=2 * n_el * elt)
     res["copy_q_ms"] = bench(lambda: q.clone())
     res["copy_q_TBps"] = res["bytes"]["copy_q"] / res["copy_q_ms"] / 1e9
-    times = kernel_times(lambda: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn), iters)
+    times = device_ms_per_kernel(lambda: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn), iters)
     res["kernels_ms"] = times
     for stage, key in (("stats", "_fp8_stats_kernel"), ("finalize", "_fp8_finalize_kernel"),
                        ("quant", "_fp8_quant_kernel")):
@@ -104,7 +84,7 @@ def run_shape(name, shape, gen, iters, log, do_sweep=False):
     sweep = []
     for tune in SWEEP if do_sweep else ():
         try:
-            t = kernel_times(lambda tune=tune: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn, tuning=tune), iters)
+            t = device_ms_per_kernel(lambda tune=tune: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn, tuning=tune), iters)
             row = dict(tuning=tune, stats_ms=sum(x for n, x in t.items() if "_fp8_stats_kernel" in n),
                        finalize_ms=sum(x for n, x in t.items() if "_fp8_finalize_kernel" in n),
                        quant_ms=sum(x for n, x in t.items() if "_fp8_quant_kernel" in n))
