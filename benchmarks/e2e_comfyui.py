@@ -19,6 +19,8 @@ with:
   ours-all-fp8 TritonAccelPatch with attention fp8 and Linear fp8 forced
   ours-fp8ckpt TritonAccelPatch (auto) on a model loaded with FP8 weights (weight_dtype
                fp8_e4m3fn, ComfyUI upcasting per call): our Linear uses the FP8 weights as-is
+  ours-linear-unfused / ours-all-unfused  ours-linear / ours-all with every GELU left to
+               ComfyUI (none in our GEMM epilogue): the fusion's before/after in one run
 and reports each variant's ms/step, its ratio to the default, the relative L2 difference and
 cosine of its output against the default's, the first call's time (auto's timing and the
 weight quantisation happen there) and the peak GPU memory.
@@ -218,21 +220,55 @@ def time_steps(run, steps, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
-    times = []
+    times, gc_ms = [], []
+    pauses = GcPauses()
     for _ in range(steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            out = run()
-            times.append((time.perf_counter() - t0) * 1e3)
+        with pauses.step():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                out = run()
+                times.append((time.perf_counter() - t0) * 1e3)
+        gc_ms.append(pauses.last_ms)
     time_steps.last_times = times  # every timed step, for the JSON (a slow first step shows there)
+    time_steps.last_gc_ms = gc_ms  # Python's garbage-collector pauses inside each timed step
     return statistics.median(times), out, first_ms
+
+
+class GcPauses:
+    """Milliseconds the Python garbage collector ran during a step (gc.callbacks): a host-bound
+    step (Flux on the H200) waits for them, so a collection shows up in its time."""
+
+    def __init__(self):
+        self.last_ms = 0.0
+        self._t0 = None
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.last_ms += (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+    def step(self):
+        import contextlib
+        import gc
+
+        @contextlib.contextmanager
+        def timed():
+            self.last_ms = 0.0
+            gc.callbacks.append(self._callback)
+            try:
+                yield
+            finally:
+                gc.callbacks.remove(self._callback)
+        return timed()
 
 
 def profile_step(run, device, folder: Path, label: str) -> None:
@@ -280,10 +316,13 @@ WEIGHTS_OF = {"comfy-fp8-fast": "fp8-fast", "ours-fp8ckpt": "fp8"}
 # variant -> (attention mode or None, Linear mode or None); None: that part is not patched.
 OURS = {"ours-auto": ("auto", None), "ours-triton": ("fp16", None), "ours-fp8": ("fp8", None),
         "ours-int8": ("int8", None), "ours-linear": (None, "auto"), "ours-linear-fp8": (None, "fp8"),
-        "ours-all": ("auto", "auto"), "ours-all-fp8": ("fp8", "fp8"), "ours-fp8ckpt": ("auto", "auto")}
+        "ours-all": ("auto", "auto"), "ours-all-fp8": ("fp8", "fp8"), "ours-fp8ckpt": ("auto", "auto"),
+        "ours-linear-unfused": (None, "auto"), "ours-all-unfused": ("auto", "auto")}
+# Variants whose Linear patch leaves every GELU to ComfyUI (the epilogue fusion's before/after).
+UNFUSED = {"ours-linear-unfused", "ours-all-unfused"}
 
 
-def patch_ours(base, attention_mode, linear_mode):
+def patch_ours(base, attention_mode, linear_mode, fuse_activations=True):
     """The clone the pack's nodes would hand to the sampler for these settings."""
     from triton_accel_bench.nodes.settings import AccelSettings
 
@@ -296,7 +335,7 @@ def patch_ours(base, attention_mode, linear_mode):
     if linear_mode is not None:
         from triton_accel_bench.nodes import patch_linear
 
-        patched = patch_linear.patch_linear_model(patched, settings)
+        patched = patch_linear.patch_linear_model(patched, settings, fuse_activations=fuse_activations)
     return patched
 
 
@@ -320,7 +359,7 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
         patcher.model_options["transformer_options"]["optimized_attention_override"] = override
     elif variant in OURS:
         try:
-            patcher = patch_ours(base, *OURS[variant])
+            patcher = patch_ours(base, *OURS[variant], fuse_activations=variant not in UNFUSED)
         except Exception as e:
             return dict(model=name, variant=variant, error=f"patch failed: {type(e).__name__}: {e}"[:300])
     elif variant not in ("default", "comfy-fp8-fast"):
@@ -367,14 +406,17 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
         print(f"[{name}] {variant}: WARNING no Linear call served under dynamic VRAM: {linear.get('reasons')}",
               flush=True)
     row = dict(model=name, variant=variant, ms_per_step=ms, rel_l2_vs_default=diff, cosine_vs_default=cos,
-               first_call_ms=first_ms, step_ms=list(getattr(time_steps, "last_times", [])), peak_gib=peak, device_used_gib=device_used, finite=bool(torch.isfinite(out).all()),
+               first_call_ms=first_ms, step_ms=list(getattr(time_steps, "last_times", [])),
+               step_gc_ms=[round(g, 2) for g in getattr(time_steps, "last_gc_ms", [])], peak_gib=peak,
+               device_used_gib=device_used, finite=bool(torch.isfinite(out).all()),
                calls={kind: f"{c['served']} ours/{c['handed_back']} back" for kind, c in snap.get("kinds", {}).items()},
                paths=snap["paths"], linear_paths=snap.get("kinds", {}).get("linear", {}).get("paths", {}),
                linear_reasons=snap.get("kinds", {}).get("linear", {}).get("reasons", {}),
                kernel_calls=dict(kernel_stats.counts()), out=out)
     print(f"[{name}] {variant}: {ms:.1f} ms/step (first call {first_ms:.0f} ms), rel L2 {diff:.2e}, "
           f"cos {cos:.6f}, peak {peak:.1f} GiB (device {device_used:.1f} GiB in use), calls {row['calls']} "
-          f"{row['linear_paths']}", flush=True)
+          f"{row['linear_paths']}; steps {[round(t, 1) for t in row['step_ms']]} ms, gc {row['step_gc_ms']} ms",
+          flush=True)
     del patcher
     return row
 

@@ -8,7 +8,11 @@ export PYTHONUNBUFFERED=1
 mkdir -p /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || echo "wheel install failed"
-[ -f .whl/ck.zip ] && python3 -m zipfile -e .whl/ck.zip /tmp/site
+# CK_ZIP: which comfy-kitchen ComfyUI imports. The default .whl/ck.zip is the source-only build
+# (its CUDA backend absent, so RoPE runs in eager torch); a PyPI install has the CUDA backend,
+# e.g. CK_ZIP=.cache/ck/ck-0.2.40-cuda.zip (carried), which is what a user's default runs.
+CK_ZIP=${CK_ZIP:-.whl/ck.zip}
+[ -f "$CK_ZIP" ] && python3 -m zipfile -e "$CK_ZIP" /tmp/site && echo "comfy-kitchen from $CK_ZIP"
 export PYTHONPATH=/tmp/site
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"

@@ -248,6 +248,42 @@ def run_shape(name, m, k, n, gen, sweep, log, methods=()):
     return res
 
 
+# GELU (tanh) epilogue: (shape, first activated column) as the models run them: Flux's double
+# blocks' MLP up and Wan's FFN up (nn.Sequential(Linear, GELU)), Flux's single blocks' fused
+# projection (GELU on the MLP columns, 9216 on).
+GELU_CASES = {"flux_mlp_up": 0, "wan_ffn_up": 0, "flux_single_in": 9216}
+
+
+def run_gelu(name, m, k, n, first, gen, log):
+    """Ours with the GELU in the epilogue vs ours + ComfyUI's GELU pass vs cuBLAS + the GELU
+    pass (the GELU on the slice of columns, as the model code runs it: a strided pass where
+    the columns are a slice of a fused projection)."""
+    x = activations(m, k, gen)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    fw = lf.quantize_weight(w)
+    act = lf.ACTIVATIONS["gelu_tanh"]
+
+    def fused():
+        q, s = lf.quantize_activation(x)
+        return lf.fp8_gemm(q, s, fw, b, torch.bfloat16, act=act, act_from=first)
+
+    def unfused(y):
+        return torch.cat([y[:, :first], F.gelu(y[:, first:], approximate="tanh")], 1) if first else \
+            F.gelu(y, approximate="tanh")
+
+    res = dict(shape=name, M=m, K=k, N=n, act_from=first)
+    expect = unfused(lf.fp8_linear(x, fw, b).float())
+    res["fused_rel_vs_unfused_fp32"] = rel_l2(fused(), expect)
+    res["fused_ms"] = bench(fused)
+    res["ours_then_gelu_ms"] = bench(lambda: F.gelu(lf.fp8_linear(x, fw, b)[:, first:], approximate="tanh"))
+    res["cublas_then_gelu_ms"] = bench(lambda: F.gelu(F.linear(x, w, b)[:, first:], approximate="tanh"))
+    res["gelu_pass_ms"] = bench(lambda y=F.linear(x, w, b): F.gelu(y[:, first:], approximate="tanh"))
+    res["ours_plain_ms"] = bench(lambda: lf.fp8_linear(x, fw, b))
+    log(f"  gelu {res}")
+    return res
+
+
 def _int8_rows(t):
     s = (t.abs().amax(dim=1, keepdim=True).float() / 127.0).clamp_min(1e-12)
     return torch.round(t.float() / s).clamp(-127, 127).to(torch.int8), s
@@ -357,6 +393,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--gelu", default=",".join(GELU_CASES),
+                    help="shapes to time with the GELU epilogue (empty: none)")
     ap.add_argument("--methods", default=",".join(kernels.LINEAR_METHODS),
                     help="kernels.linear methods to time per shape (empty: none)")
     args = ap.parse_args()
@@ -393,6 +431,14 @@ def main():
         log(f"  {name} done at {time.time() - t0:.0f}s")
         Path(args.out).mkdir(parents=True, exist_ok=True)  # partial results survive a timeout
         (Path(args.out) / "linear.json").write_text(json.dumps(report, indent=1))
+    report["gelu"] = []
+    for name in [g for g in args.gelu.split(",") if g]:
+        m, k, n = SHAPES[name]
+        try:
+            report["gelu"].append(run_gelu(name, m, k, n, GELU_CASES[name], gen, log))
+        except Exception:
+            log(f"gelu {name} failed:\n{traceback.format_exc()[-2000:]}")
+        torch.cuda.empty_cache()
     report["seconds"] = time.time() - t0
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "linear.json").write_text(json.dumps(report, indent=1))
@@ -414,6 +460,14 @@ def main():
         if r.get("best_config"):
             log(f"best {r['shape']}: {r['best_config']}")
     methods_table(report, log)
+    if report["gelu"]:
+        log("\nGELU (tanh) epilogue, ms (do_bench medians): ours fused | ours + GELU pass | cuBLAS + GELU pass | "
+            "GELU pass alone | ours without GELU | saved vs ours + pass | x vs cuBLAS + pass | rel. L2 fused vs unfused")
+        for r in report["gelu"]:
+            log(" | ".join([f"{r['shape']} (from col {r['act_from']})", fmt(r["fused_ms"], 3),
+                            fmt(r["ours_then_gelu_ms"], 3), fmt(r["cublas_then_gelu_ms"], 3), fmt(r["gelu_pass_ms"], 3),
+                            fmt(r["ours_plain_ms"], 3), fmt(r["ours_then_gelu_ms"] - r["fused_ms"], 3),
+                            fmt(r["cublas_then_gelu_ms"] / r["fused_ms"]), fmt(r["fused_rel_vs_unfused_fp32"], 5)]))
     log(f"total {time.time() - t0:.0f}s")
     (Path(args.out) / "linear.log").write_text("\n".join(lines) + "\n")
 

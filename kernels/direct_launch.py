@@ -63,8 +63,11 @@ def launch(plan: Plan, device_index: int, args: tuple) -> None:
                knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
 
 
-def record(key, kernel, grid: tuple, consts: tuple, args: tuple, out_index: int) -> None:
-    """After a JIT launch of `key` wrote args[out_index]: remember it, or verify the plan."""
+def record(key, kernel, grid: tuple, consts: tuple, args: tuple, out_index: int | None = None,
+           out: torch.Tensor | None = None, rebind=None) -> None:
+    """After a JIT launch of `key` wrote args[out_index]: remember it, or verify the plan.
+    Where the output reaches the kernel inside another argument (a TMA descriptor), pass the
+    output tensor as `out` and `rebind(probe)`: the same args writing to `probe` instead."""
     global ENABLED
     if kernel is None or not ENABLED:
         return
@@ -74,10 +77,13 @@ def record(key, kernel, grid: tuple, consts: tuple, args: tuple, out_index: int)
         return
     if plan.verified:
         return
-    out = args[out_index]
+    out = args[out_index] if out is None else out
     probe = torch.empty_like(out)
-    probe_args = list(args)
-    probe_args[out_index] = probe
+    if rebind is None:
+        probe_args = list(args)
+        probe_args[out_index] = probe
+    else:
+        probe_args = rebind(probe)
     try:
         launch(plan, out.device.index, tuple(probe_args))
         same = torch.equal(probe, out)

@@ -43,6 +43,8 @@ IMPL_NAME = {m: f"triton_linear_{m}" for m in METHODS}
 # Our methods' registry priority. Other packs' Linear extensions (kernels/extensions.py) rank
 # against it in the Linear patch's auto: above it they are tried before ours, at or below it after.
 PRIORITY = 100
+# kernels.stats counter of launches with an activation in the epilogue (beside the method's own).
+EPILOGUE_COUNTER = "linear_epilogue_activation"
 
 
 class LinearInputError(ValueError):
@@ -133,8 +135,9 @@ def _method_module(method: str):
     return mod
 
 
-def _run_method(method: str, x2d, weight, scale, bias, rotation: int, out_dtype):
-    return _method_module(method).run_linear(x2d, weight, scale, bias, rotation, out_dtype)
+def _run_method(method: str, x2d, weight, scale, bias, rotation: int, out_dtype, act: int = 0, act_from: int = 0):
+    return _method_module(method).run_linear(x2d, weight, scale, bias, rotation, out_dtype, act=act,
+                                             act_from=act_from)
 
 
 def _register_implementations() -> None:
@@ -142,7 +145,8 @@ def _register_implementations() -> None:
     for method in METHODS:
         if registry.get(OP, IMPL_NAME[method]) is None:
             registry.register(Implementation(
-                name=IMPL_NAME[method], op=OP, fn=lambda *a, _m=method: _run_method(_m, *a), priority=PRIORITY,
+                name=IMPL_NAME[method], op=OP, fn=lambda *a, _m=method, **kw: _run_method(_m, *a, **kw),
+                priority=PRIORITY,
                 constraints=LinearConstraints(method), unavailable=triton_error))
 
 
@@ -240,6 +244,20 @@ def prepare_weight_per_call(weight: torch.Tensor, method: str, weight_scale=None
 
 # ---- calls ----------------------------------------------------------------------------------
 
+def activation_code(activation: str | None, activation_from: int, out_features: int) -> int:
+    """The kernels' ACT code for `activation` (None, or a key of ACTIVATIONS) applied to output
+    columns >= activation_from; LinearInputError for an unknown one or a column out of range."""
+    from .linear_fp8 import ACTIVATIONS
+
+    if activation is None:
+        return 0
+    if activation not in ACTIVATIONS:
+        raise LinearInputError(f"unknown activation {activation!r}; expected None or one of {sorted(ACTIVATIONS)}")
+    if not 0 <= int(activation_from) < out_features:
+        raise LinearInputError(f"activation_from must be in [0, {out_features}); got {activation_from}")
+    return ACTIVATIONS[activation]
+
+
 def _check_call(x, prepared, bias, out_dtype) -> torch.dtype:
     if not isinstance(prepared, PreparedLinearWeight):
         raise LinearInputError("prepared must come from prepare_weight()")
@@ -271,30 +289,36 @@ _decisions: dict = {}
 cache_registry.register("kernels.linear.decisions", _decisions.clear)
 
 
-def _dispatch(method: str, x, weight, scale, bias, rotation: int, out_dtype):
+def _dispatch(method: str, x, weight, scale, bias, rotation: int, out_dtype, act: int = 0, act_from: int = 0):
     key = (x.device, x.dtype, method, False if x.is_cuda else _device.interpreter_enabled())
     impl = _decisions.get(key)
     if impl is None:
         impl = registry.select(OP, LinearCall(_device.describe(x.device), x.dtype, method), name=IMPL_NAME[method])
         _decisions[key] = impl
     stats.increment(impl.name)
+    if act:
+        stats.increment(EPILOGUE_COUNTER)
     k = x.shape[-1]
     x2d = x.reshape(-1, k)
     if x2d.stride(-1) != 1 or (x2d.shape[0] > 1 and x2d.stride(0) != k):
         x2d = x2d.contiguous()
     b = bias.contiguous() if bias is not None else None
+    act_kw = dict(act=act, act_from=act_from) if act else {}
     if x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # Triton launches on the current device
-            out = impl.fn(x2d, weight, scale, b, rotation, out_dtype)
+            out = impl.fn(x2d, weight, scale, b, rotation, out_dtype, **act_kw)
     else:
-        out = impl.fn(x2d, weight, scale, b, rotation, out_dtype)
+        out = impl.fn(x2d, weight, scale, b, rotation, out_dtype, **act_kw)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _shared_dispatch(method, x, weight, scale, bias, rotation, out_dtype):
+def _shared_dispatch(method, x, weight, scale, bias, rotation, out_dtype, act: int = 0, act_from: int = 0):
     # The pack may be imported twice under different names; the ops are registered by the
     # first copy, so every copy dispatches through that one's function.
-    return stats.shared().linear_dispatch(method, x, weight, scale, bias, rotation, out_dtype)
+    dispatch = stats.shared().linear_dispatch
+    if act:
+        return dispatch(method, x, weight, scale, bias, rotation, out_dtype, act, act_from)
+    return dispatch(method, x, weight, scale, bias, rotation, out_dtype)
 
 
 def _op_registered(method: str) -> bool:
@@ -308,11 +332,11 @@ def _op_registered(method: str) -> bool:
 def _register_op(method: str) -> None:
     @torch.library.custom_op(f"triton_accel::linear_{method}", mutates_args=())
     def linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-                  rotation: int, out_dtype: torch.dtype) -> torch.Tensor:
-        return _shared_dispatch(method, x, weight, scale, bias, rotation, out_dtype)
+                  rotation: int, out_dtype: torch.dtype, act: int = 0, act_from: int = 0) -> torch.Tensor:
+        return _shared_dispatch(method, x, weight, scale, bias, rotation, out_dtype, act, act_from)
 
     @linear_op.register_fake
-    def _(x, weight, scale, bias, rotation, out_dtype):
+    def _(x, weight, scale, bias, rotation, out_dtype, act=0, act_from=0):
         return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
@@ -329,12 +353,18 @@ _register_ops()
 
 
 def linear(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, activation: str | None = None,
+           activation_from: int = 0) -> torch.Tensor:
     """x @ W.T + bias for x [..., K] with a weight from prepare_weight: [..., N] in out_dtype
-    (default x's dtype). Raises LinearInputError for bad inputs and BackendUnavailableError
-    (with the reason) where the method cannot run on x's device."""
+    (default x's dtype). `activation` ("gelu_tanh": nn.GELU(approximate="tanh")) is applied in
+    the GEMM's epilogue to output columns >= activation_from (a fused projection whose tail
+    feeds an MLP, e.g. Flux's single blocks). Raises LinearInputError for bad inputs and
+    BackendUnavailableError (with the reason) where the method cannot run on x's device."""
     out_dtype = _check_call(x, prepared, bias, out_dtype)
+    act = activation_code(activation, activation_from, prepared.out_features)
     args = (prepared.method, x, prepared.weight, prepared.scale, bias, prepared.rotation, out_dtype)
+    if act:
+        args += (act, int(activation_from))
     if torch.compiler.is_compiling():
         op = getattr(torch.ops.triton_accel, f"linear_{prepared.method}")
         return op(*args[1:])
@@ -342,17 +372,22 @@ def linear(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tensor |
     return _shared_dispatch(*args)
 
 
-def linear_ref(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 x @ W.T + bias with the prepared weight dequantised (rotation undone): what the
-    kernels compute before their own activation quantisation. For tests."""
+def linear_ref(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tensor | None = None,
+               activation: str | None = None, activation_from: int = 0) -> torch.Tensor:
+    """float32 x @ W.T + bias with the prepared weight dequantised (rotation undone), then
+    `activation` on columns >= activation_from: what the kernels compute before their own
+    activation quantisation. For tests."""
     w = prepared.weight.float() * prepared.scale.float()[:, None]
     if prepared.rotation:
         from .linear_int8 import hadamard_blocks
 
         w = hadamard_blocks(w, prepared.rotation)  # H is symmetric: W H H = W * block
     y = x.float() @ w.T
-    return y + bias.float() if bias is not None else y
+    y = y + bias.float() if bias is not None else y
+    if activation_code(activation, activation_from, prepared.out_features):
+        y[..., activation_from:] = torch.nn.functional.gelu(y[..., activation_from:], approximate="tanh")
+    return y
 
 
 __all__ = ["METHODS", "LinearInputError", "PreparedLinearWeight", "LinearCall", "LinearConstraints",
-           "prepare_weight", "prepare_weight_per_call", "linear", "linear_refusal", "linear_ref", "BackendUnavailableError", "OP"]
+           "prepare_weight", "prepare_weight_per_call", "linear", "linear_refusal", "linear_ref", "activation_code", "BackendUnavailableError", "OP"]

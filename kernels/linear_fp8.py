@@ -33,8 +33,10 @@ of 16 (TMA strides and MMA depth); M is anything.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +47,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     triton = None
     tl = None
 
+from . import cache_registry, direct_launch
 from . import device as _device
 from .gpu_rules import feature_refusal
 from .kernel_common import arch_family, family_in, fp8_device_refusal, sm_count
@@ -81,6 +84,21 @@ INTERPRETER_PROGRAMS = 3
 # Activation quantisation: rows up to this many elements are held in registers in one pass.
 QUANT_ONE_PASS_MAX = 16384
 QUANT_LOOP_BLOCK = 4096
+
+# Activations the GEMM epilogue applies to output columns >= act_from (kernels.linear's
+# `activation`): the code each kernel's ACT constexpr takes. 0 is none; epilogue_act() picks
+# the hardware-tanh variant where it can run.
+ACTIVATIONS = {"gelu_tanh": 1}
+ACT_GELU_TANH_HW = 2  # gelu_tanh through tanh.approx.f32 (NVIDIA sm_75+, 16-bit outputs)
+
+
+def epilogue_act(act: int, device: torch.device, out_dtype: torch.dtype) -> int:
+    """The ACT constexpr for a launch: gelu_tanh becomes its tanh.approx.f32 form on NVIDIA
+    GPUs when the output is 16-bit (whose rounding hides the instruction's ~2^-11 error)."""
+    if (act == ACTIVATIONS["gelu_tanh"] and device.type == "cuda" and torch.version.hip is None
+            and out_dtype in (torch.float16, torch.bfloat16)):
+        return ACT_GELU_TANH_HW
+    return act
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -281,11 +299,32 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _activation(out, rn, ACT: tl.constexpr, ACT_FROM):
+        # GELU with the tanh approximation (nn.GELU(approximate="tanh")) on columns >= ACT_FROM,
+        # in fp32 before the output cast: the separate GELU pass over the [M, N] output (a read
+        # and a write of it, strided where the columns are a slice of a fused projection)
+        # disappears. The epilogue does not overlap the MMAs, so its instruction count is time:
+        # ACT 2 (NVIDIA, 16-bit outputs) takes tanh.approx.f32, one MUFU op (max. rel. error
+        # ~2^-11, below bf16/fp16 output rounding); ACT 1 (fp32 outputs, AMD, the interpreter)
+        # uses 0.5 * (1 + tanh(u)) = sigmoid(2u), i.e. x / (1 + exp(-2u)), with the exponent
+        # clamped at 2^126 (no inf: x / 2^126 is GELU's -0.0 for very negative x, as torch's).
+        if ACT != 0:
+            u = 0.7978845608028654 * (out + 0.044715 * out * out * out)
+            if ACT == 2:
+                t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32,
+                                              is_pure=True, pack=1)
+                gelu = 0.5 * out * (1.0 + t)
+            else:
+                gelu = out / (1.0 + tl.exp2(tl.minimum(-2.0 * 1.4426950408889634 * u, 126.0)))
+            out = tl.where(rn[None, :] >= ACT_FROM, gelu, out)
+        return out
+
+    @triton.jit
     def _fp8_linear_tma(
-        a_desc, b_desc, c_desc, SA, SB, BIAS, M, N, K,
+        a_desc, b_desc, c_desc, SA, SB, BIAS, M, N, K, ACT_FROM,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-        EPILOGUE_SUBTILE: tl.constexpr,
+        EPILOGUE_SUBTILE: tl.constexpr, ACT: tl.constexpr,
     ):
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -305,7 +344,11 @@ if triton is not None:
                 acc = tl.dot(a, b.T, acc)
             rm = off_m + tl.arange(0, BLOCK_M)
             rn = off_n + tl.arange(0, BLOCK_N)
-            out = _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS).to(c_desc.dtype)
+            out = _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
+            if ACT != 0:
+                if off_n + BLOCK_N > ACT_FROM:  # tiles left of the activated columns skip it
+                    out = _activation(out, rn, ACT, ACT_FROM)
+            out = out.to(c_desc.dtype)
             if EPILOGUE_SUBTILE:
                 # Two half-width stores through a half-size staging buffer: the shared memory
                 # saved goes to the operand ring (c_desc's block is [BLOCK_M, BLOCK_N // 2]).
@@ -318,9 +361,9 @@ if triton is not None:
 
     @triton.jit
     def _fp8_linear_ptr(
-        A, B, C, SA, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm,
+        A, B, C, SA, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm, ACT_FROM,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
+        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
     ):
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -334,12 +377,42 @@ if triton is not None:
                 acc = tl.dot(a, tl.trans(b), acc)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
-            _store_tile(C, _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS), rm, rn, M, N, stride_cm)
+            out = _activation(_scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS), rn, ACT, ACT_FROM)
+            _store_tile(C, out, rm, rn, M, N, stride_cm)
+
+
+class _CudaFacts(NamedTuple):
+    """What every call on one kind of CUDA device would otherwise work out again (a Flux step
+    makes ~150 of our Linear calls, each checked three times: tens of microseconds of host time)."""
+
+    refusal: str | None
+    config: dict  # the arch's tile config (copied by callers that change it)
+    host_tma: bool  # the installed Triton has host tensor descriptors
+
+
+_cuda_facts_cache: dict[tuple, _CudaFacts] = {}
+cache_registry.register("kernels.linear_fp8.cuda_facts", _cuda_facts_cache.clear)
+# Direct-launch key of a GEMM -> (TMA kernel?, its descriptor blocks): the plan's arguments.
+_gemm_layouts: dict = {}
+cache_registry.register("kernels.linear_fp8.gemm_layouts", _gemm_layouts.clear)
+
+
+def _cuda_facts(device: torch.device) -> _CudaFacts:
+    # Keyed by what decides them (the device's description, the Triton version), both cached
+    # lookups themselves, so a changed answer (a test's fake GPU) is never served stale.
+    info, version = _device.describe(device), _device.triton_version()
+    facts = _cuda_facts_cache.get((info, version))
+    if facts is None:
+        refusal = fp8_device_refusal(device, "FP8 Linear")
+        config = {} if refusal else dict(LINEAR_FP8_CONFIGS[config_family(info.arch)])
+        facts = _cuda_facts_cache[(info, version)] = _CudaFacts(
+            refusal, config, feature_refusal("host_tensor_descriptor", version) is None)
+    return facts
 
 
 def _check_device(device: torch.device) -> bool:
     """Raise Fp8LinearUnsupportedError where the kernels cannot run; True on the interpreter."""
-    reason = fp8_device_refusal(device, "FP8 Linear")
+    reason = _cuda_facts(device).refusal if device.type == "cuda" else fp8_device_refusal(device, "FP8 Linear")
     if reason is not None:
         raise Fp8LinearUnsupportedError(reason)
     return device.type == "cpu"
@@ -351,6 +424,11 @@ def default_config(device: torch.device, interpreter: bool) -> dict:
     return dict(LINEAR_FP8_CONFIGS[config_family(_device.describe(device).arch)])
 
 
+# Constexpr names of each kernel in signature order: a direct launch appends their values.
+def _constexpr_order(kernel) -> tuple:
+    return tuple(p.name for p in inspect.signature(kernel.fn).parameters.values() if "constexpr" in str(p.annotation))
+
+
 def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token e4m3 of a [M, K] activation (unit last stride): (x_fp8 [M, K], scale [M] fp32)."""
     interpreter = _check_device(x2d.device)
@@ -359,12 +437,30 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty((m,), dtype=torch.float32, device=x2d.device)
     if m == 0:
         return y, s
+    args = (x2d, y, s, k, x2d.stride(0))
+    key = None
+    if direct_launch.usable(x2d):
+        # Everything the JIT specialises on: shapes, strides, dtype, the pointers' alignment.
+        key = ("fp8_quant_rows", x2d.device, x2d.dtype, m, k, x2d.stride(0), x2d.data_ptr() % 16)
+        plan = direct_launch.lookup(key)
+        if plan is not None:
+            direct_launch.launch(plan, x2d.device.index, args)
+            return y, s
     one_pass = k <= QUANT_ONE_PASS_MAX
     block = triton.next_power_of_2(k) if one_pass else QUANT_LOOP_BLOCK
     warps = 8 if block >= 4096 else 4
-    _quant_rows_fp8[(m,)](x2d, y, s, k, x2d.stride(0), BLOCK_K=block, ONE_PASS=one_pass, EXACT_CAST=interpreter,
-                          num_warps=warps)
+    consts = dict(BLOCK_K=block, ONE_PASS=one_pass, EXACT_CAST=interpreter)
+    kernel = _quant_rows_fp8[(m,)](*args, **consts, num_warps=warps)
+    if key is not None:
+        direct_launch.record(key, kernel, (m,), tuple(consts[n] for n in _QUANT_CONSTEXPRS), args, out_index=1)
     return y, s
+
+
+def _subtiled(cfg: dict, fp32_out: bool) -> bool:
+    """EPILOGUE_SUBTILE for a TMA launch: as configured, and always for fp32 outputs, whose
+    full [BLOCK_M, BLOCK_N] staging tile (128 KB at sm90's 128x256) would not fit beside the
+    operand ring (272 KB of the H100/H200's 227 KB)."""
+    return bool(cfg.get("EPILOGUE_SUBTILE", False)) or fp32_out
 
 
 def _tma_usable(*tensors: torch.Tensor) -> bool:
@@ -376,35 +472,73 @@ def _tma_usable(*tensors: torch.Tensor) -> bool:
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None,
-             out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """(x_fp8 * x_scale) @ (W * w_scale).T + bias, cast to out_dtype: the GEMM alone."""
+             out_dtype: torch.dtype, config: dict | None = None, act: int = 0, act_from: int = 0) -> torch.Tensor:
+    """(x_fp8 * x_scale) @ (W * w_scale).T + bias, cast to out_dtype: the GEMM alone; `act`
+    (ACTIVATIONS' code, 0 none) applied to output columns >= act_from."""
     m, k = x_fp8.shape
     n = w.out_features
-    interpreter = _check_device(x_fp8.device)
-    cfg = config or default_config(x_fp8.device, interpreter)
-    out = torch.empty((m, n), dtype=out_dtype, device=x_fp8.device)
+    device = x_fp8.device
+    interpreter = _check_device(device)
+    out = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0:
         return out
+    bias_arg = bias if bias is not None else x_scale  # placeholder pointer, never read
+    act_from = int(act_from)
+    key = None
+    if direct_launch.usable(out):
+        key = ("fp8_gemm", device, m, n, k, out_dtype, bias is not None, int(act), act_from,
+               None if config is None else tuple(sorted(config.items())), x_fp8.data_ptr() % 16,
+               w.weight.data_ptr() % 16, x_scale.data_ptr() % 16, w.scale.data_ptr() % 16,
+               bias_arg.data_ptr() % 16, bias_arg.dtype, x_fp8.stride(0), w.weight.stride(0))
+        plan = direct_launch.lookup(key)
+        if plan is not None:
+            tma, blocks = _gemm_layouts[key]
+            direct_launch.launch(plan, device.index, _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks,
+                                                                 act_from))
+            return out
+    if config is None:
+        cfg = default_config(device, True) if interpreter else _cuda_facts(device).config
+    else:
+        cfg = config
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    programs = min(tiles, INTERPRETER_PROGRAMS if interpreter else sm_count(x_fp8.device.index or 0))
-    bias_arg = bias if bias is not None else x_scale  # placeholder pointer, never read
-    common = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-                  NUM_PROGRAMS=programs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cfg.get("TMA") and not interpreter and _tma_usable(x_fp8, w.weight):
+    programs = min(tiles, INTERPRETER_PROGRAMS if interpreter else sm_count(device.index or 0))
+    consts = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+                  NUM_PROGRAMS=programs, ACT=epilogue_act(int(act), device, out_dtype))
+    tma = (bool(cfg.get("TMA")) and not interpreter and _cuda_facts(device).host_tma
+           and x_fp8.data_ptr() % 16 == 0 and w.weight.data_ptr() % 16 == 0)
+    if tma:
+        subtile = _subtiled(cfg, out_dtype == torch.float32)
+        consts.update(FLATTEN=bool(cfg.get("FLATTEN", False)), EPILOGUE_SUBTILE=subtile)
+        blocks = (bm, bn, bk, bn // 2 if subtile else bn)
+        fn, order = _fp8_linear_tma, _TMA_CONSTEXPRS
+    else:
+        consts.update(EVEN_K=k % bk == 0)
+        blocks = None
+        fn, order = _fp8_linear_ptr, _PTR_CONSTEXPRS
+    args = _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks, act_from)
+    kernel = fn[(programs,)](*args, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if key is not None and kernel is not None:
+        # How to rebuild the arguments for the plan (descriptors are per call: new tensors).
+        _gemm_layouts[key] = (tma, blocks)
+        direct_launch.record(key, kernel, (programs,), tuple(consts[n] for n in order), args, out=out,
+                             rebind=lambda probe: _gemm_args(tma, x_fp8, x_scale, w, bias_arg, probe, blocks,
+                                                             act_from))
+    return out
+
+
+def _gemm_args(tma: bool, x_fp8, x_scale, w: Fp8LinearWeight, bias_arg, out, blocks, act_from: int) -> tuple:
+    """The GEMM kernels' runtime arguments (constexprs excluded), in signature order."""
+    m, k = x_fp8.shape
+    n = out.shape[1]
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        subtile = bool(cfg.get("EPILOGUE_SUBTILE", False))
-        a_desc = TensorDescriptor(x_fp8, [m, k], [k, 1], [bm, bk])
-        b_desc = TensorDescriptor(w.weight, [n, k], [k, 1], [bn, bk])
-        c_desc = TensorDescriptor(out, [m, n], [n, 1], [bm, bn // 2 if subtile else bn])
-        _fp8_linear_tma[(programs,)](a_desc, b_desc, c_desc, x_scale, w.scale, bias_arg, m, n, k,
-                                     FLATTEN=bool(cfg.get("FLATTEN", False)), EPILOGUE_SUBTILE=subtile, **common)
-    else:
-        _fp8_linear_ptr[(programs,)](x_fp8, w.weight, out, x_scale, w.scale, bias_arg, m, n, k,
-                                     x_fp8.stride(0), w.weight.stride(0), out.stride(0), EVEN_K=k % bk == 0,
-                                     **common)
-    return out
+        bm, bn, bk, bn_out = blocks
+        return (TensorDescriptor(x_fp8, [m, k], [k, 1], [bm, bk]), TensorDescriptor(w.weight, [n, k], [k, 1], [bn, bk]),
+                TensorDescriptor(out, [m, n], [n, 1], [bm, bn_out]), x_scale, w.scale, bias_arg, m, n, k, act_from)
+    return (x_fp8, w.weight, out, x_scale, w.scale, bias_arg, m, n, k, x_fp8.stride(0), w.weight.stride(0),
+            out.stride(0), act_from)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None = None,
@@ -444,14 +578,20 @@ def prepare(weight: torch.Tensor, weight_scale=None) -> tuple[torch.Tensor, torc
 
 
 def run_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               rotation: int, out_dtype: torch.dtype) -> torch.Tensor:
+               rotation: int, out_dtype: torch.dtype, act: int = 0, act_from: int = 0) -> torch.Tensor:
     """kernels.linear's entry: a checked [M, K] call (unit last stride) on a prepared weight."""
     _check_device(x2d.device)
     x_fp8, x_scale = quantize_activation(x2d)
-    return fp8_gemm(x_fp8, x_scale, Fp8LinearWeight(weight, scale), bias, out_dtype)
+    return fp8_gemm(x_fp8, x_scale, Fp8LinearWeight(weight, scale), bias, out_dtype, act=act, act_from=act_from)
 
 
-def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, tma: bool | None = None):
+_QUANT_CONSTEXPRS = _constexpr_order(_quant_rows_fp8) if triton is not None else ()
+_TMA_CONSTEXPRS = _constexpr_order(_fp8_linear_tma) if triton is not None else ()
+_PTR_CONSTEXPRS = _constexpr_order(_fp8_linear_ptr) if triton is not None else ()
+
+
+def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, tma: bool | None = None,
+                  act: int = 0):
     """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...)): the
     activation quantisation and the GEMM as a launch on contiguous tensors specialises them."""
     quant_sig = {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32", "K": "i32", "stride_xm": "i32",
@@ -464,17 +604,18 @@ def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, 
     const = dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"], NUM_PROGRAMS=132)
     scalars = {"SA": "*fp32", "SB": "*fp32", "BIAS": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
     if use_tma:
-        subtile = bool(config.get("EPILOGUE_SUBTILE", False))
+        subtile = _subtiled(config, out_dtype == "fp32")
         sig = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
-               "c_desc": f"tensordesc<{out_dtype}[{bm}, {bn // 2 if subtile else bn}]>", **scalars}
+               "c_desc": f"tensordesc<{out_dtype}[{bm}, {bn // 2 if subtile else bn}]>", **scalars, "ACT_FROM": "i32"}
         const.update(FLATTEN=bool(config.get("FLATTEN", False)), EPILOGUE_SUBTILE=subtile)
         fn, aligned = _fp8_linear_tma, ["SA", "SB", "BIAS", "N", "K"]
     else:
         sig = {"A": "*fp8e4nv", "B": "*fp8e4nv", "C": f"*{out_dtype}", **scalars,
-               "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32"}
+               "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32", "ACT_FROM": "i32"}
         fn, aligned = _fp8_linear_ptr, ["A", "B", "C", "SA", "SB", "BIAS", "N", "K", "stride_am", "stride_bn",
                                         "stride_cm"]
         const["EVEN_K"] = True
+    const["ACT"] = int(act)  # the kernels' last constexpr
     for name in const:
         sig[name] = "constexpr"
     names = list(sig)
@@ -484,4 +625,5 @@ def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, 
 
 
 __all__ = ["prepare", "run_linear", "Fp8LinearWeight", "Fp8LinearUnsupportedError", "LINEAR_FP8_CONFIGS", "quantize_weight",
-           "quantize_weight_rows", "quantize_activation", "fp8_gemm", "fp8_linear", "config_family", "compile_specs", "FP8_MAX"]
+           "quantize_weight_rows", "quantize_activation", "fp8_gemm", "fp8_linear", "config_family", "compile_specs", "FP8_MAX",
+           "ACTIVATIONS", "ACT_GELU_TANH_HW", "epilogue_act"]

@@ -37,10 +37,10 @@ except Exception:  # the registry reports why; importing the pack must still wor
 
 from . import device as _device
 from .kernel_common import arch_family, family_in, sm_count
-from .linear_fp8 import quantize_weight
+from .linear_fp8 import epilogue_act, quantize_weight
 
 if triton is not None:
-    from .linear_fp8 import _load_k_tile, _store_tile, _tile_operands
+    from .linear_fp8 import _activation, _load_k_tile, _store_tile, _tile_operands
 
 log = logging.getLogger("triton_accel.kernels.linear_fp8_weight_only")  # not __name__: the clone's folder name
 
@@ -80,9 +80,10 @@ if triton is not None:
 
     @triton.jit
     def _fp8_weight_only_linear(
-        A, B, C, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm,
+        A, B, C, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm, ACT_FROM,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, COMPUTE: tl.constexpr,
+        ACT: tl.constexpr,
     ):
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -102,7 +103,7 @@ if triton is not None:
             out = acc * sb[None, :]
             if HAS_BIAS:
                 out = out + tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            _store_tile(C, out, rm, rn, M, N, stride_cm)
+            _store_tile(C, _activation(out, rn, ACT, ACT_FROM), rm, rn, M, N, stride_cm)
 
 
 def _compute_dtype(x_dtype: torch.dtype, interpreter: bool):
@@ -112,8 +113,10 @@ def _compute_dtype(x_dtype: torch.dtype, interpreter: bool):
 
 
 def run_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               rotation: int, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """kernels.linear's entry: a checked [M, K] call (unit last stride) on a prepared e4m3 weight."""
+               rotation: int, out_dtype: torch.dtype, act: int = 0, act_from: int = 0,
+               config: dict | None = None) -> torch.Tensor:
+    """kernels.linear's entry: a checked [M, K] call (unit last stride) on a prepared e4m3 weight;
+    `act` (linear_fp8.ACTIVATIONS' code, 0 none) applied to output columns >= act_from."""
     if triton is None:
         raise RuntimeError(f"FP8 weight-only Linear needs Triton: {_device.triton_import_error()}")
     interpreter = x2d.device.type == "cpu"
@@ -130,20 +133,23 @@ def run_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
     w_bytes = weight.view(torch.uint8)  # the kernel decodes the bits itself
     _fp8_weight_only_linear[(programs,)](
         x2d, w_bytes, out, scale, bias if bias is not None else scale, m, n, k,
-        x2d.stride(0), w_bytes.stride(0), out.stride(0),
+        x2d.stride(0), w_bytes.stride(0), out.stride(0), int(act_from),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         NUM_PROGRAMS=programs, EVEN_K=k % bk == 0, COMPUTE=_compute_dtype(x2d.dtype, interpreter),
+        ACT=epilogue_act(int(act), x2d.device, out_dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
-def compile_specs(config: dict, in_dtype: str = "bf16", out_dtype: str = "bf16", has_bias: bool = True):
+def compile_specs(config: dict, in_dtype: str = "bf16", out_dtype: str = "bf16", has_bias: bool = True,
+                  act: int = 0):
     """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...))."""
     const = dict(HAS_BIAS=has_bias, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                  GROUP_M=config["GROUP_M"], NUM_PROGRAMS=132, EVEN_K=True,
-                 COMPUTE=tl.float16 if in_dtype == "fp16" else tl.bfloat16)
+                 COMPUTE=tl.float16 if in_dtype == "fp16" else tl.bfloat16, ACT=int(act))
     sig = {"A": f"*{in_dtype}", "B": "*u8", "C": f"*{out_dtype}", "SB": "*fp32", "BIAS": f"*{out_dtype}",
-           "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32"}
+           "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32",
+           "ACT_FROM": "i32"}
     for name in const:
         sig[name] = "constexpr"
     names = list(sig)

@@ -39,9 +39,10 @@ except Exception:  # the registry reports why; importing the pack must still wor
 from . import cache_registry
 from . import device as _device
 from .kernel_common import arch_family, family_in, sm_count
+from .linear_fp8 import epilogue_act
 
 if triton is not None:
-    from .linear_fp8 import _load_k_tile, _scale_bias, _store_tile, _tile_operands
+    from .linear_fp8 import _activation, _load_k_tile, _scale_bias, _store_tile, _tile_operands
 
 log = logging.getLogger("triton_accel.kernels.linear_int8")  # not __name__: the clone's folder name
 
@@ -170,9 +171,9 @@ if triton is not None:
 
     @triton.jit
     def _int8_linear(
-        A, B, C, SA, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm,
+        A, B, C, SA, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm, ACT_FROM,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
+        GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
     ):
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -189,7 +190,7 @@ if triton is not None:
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
             out = _scale_bias(acc.to(tl.float32), SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
-            _store_tile(C, out, rm, rn, M, N, stride_cm)
+            _store_tile(C, _activation(out, rn, ACT, ACT_FROM), rm, rn, M, N, stride_cm)
 
 
 def _interpreter(device: torch.device) -> bool:
@@ -224,8 +225,10 @@ def quantize_activation(x2d: torch.Tensor, rotation: int) -> tuple[torch.Tensor,
 
 
 def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-              bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """(x_q * x_scale) @ (weight * w_scale).T + bias, cast to out_dtype: the GEMM alone."""
+              bias: torch.Tensor | None, out_dtype: torch.dtype, config: dict | None = None,
+              act: int = 0, act_from: int = 0) -> torch.Tensor:
+    """(x_q * x_scale) @ (weight * w_scale).T + bias, cast to out_dtype: the GEMM alone; `act`
+    (linear_fp8.ACTIVATIONS' code, 0 none) applied to output columns >= act_from."""
     m, k = x_q.shape
     n = weight.shape[0]
     interpreter = _interpreter(x_q.device)
@@ -239,20 +242,21 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_
     bias_arg = bias if bias is not None else x_scale  # placeholder pointer, never read
     _int8_linear[(programs,)](
         x_q, weight, out, x_scale, w_scale, bias_arg, m, n, k, x_q.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-        NUM_PROGRAMS=programs, EVEN_K=k % bk == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        int(act_from), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        NUM_PROGRAMS=programs, EVEN_K=k % bk == 0, ACT=epilogue_act(int(act), x_q.device, out_dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
 def run_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               rotation: int, out_dtype: torch.dtype) -> torch.Tensor:
+               rotation: int, out_dtype: torch.dtype, act: int = 0, act_from: int = 0) -> torch.Tensor:
     """kernels.linear's entry: a checked [M, K] call (unit last stride) on a prepared weight."""
     x_q, x_scale = quantize_activation(x2d, rotation)
-    return int8_gemm(x_q, x_scale, weight, scale, bias, out_dtype)
+    return int8_gemm(x_q, x_scale, weight, scale, bias, out_dtype, act=act, act_from=act_from)
 
 
 def compile_specs(config: dict, in_dtype: str = "fp16", out_dtype: str = "fp16", has_bias: bool = True,
-                  rotation: int = 128):
+                  rotation: int = 128, act: int = 0):
     """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...)): the
     activation quantisation and the GEMM as a launch on contiguous tensors specialises them."""
     quant_sig = {"X": f"*{in_dtype}", "Y": "*i8", "S": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
@@ -263,9 +267,10 @@ def compile_specs(config: dict, in_dtype: str = "fp16", out_dtype: str = "fp16",
     quant_attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 4, 5)}
     specs = [(_quant_rows_int8, quant_sig, quant_const, quant_attrs, dict(num_warps=4, num_stages=1))]
     const = dict(HAS_BIAS=has_bias, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                 GROUP_M=config["GROUP_M"], NUM_PROGRAMS=132, EVEN_K=True)
+                 GROUP_M=config["GROUP_M"], NUM_PROGRAMS=132, EVEN_K=True, ACT=int(act))
     sig = {"A": "*i8", "B": "*i8", "C": f"*{out_dtype}", "SA": "*fp32", "SB": "*fp32", "BIAS": f"*{out_dtype}",
-           "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32"}
+           "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32",
+           "ACT_FROM": "i32"}
     for name in const:
         sig[name] = "constexpr"
     names = list(sig)

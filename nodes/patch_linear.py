@@ -26,6 +26,13 @@ How, and why this way:
   Linear for good (per device), shown by the Settings node and the stats route.
 - Prepared weights are freed when the clone is unpatched (ComfyUI's ON_DETACH callback with
   unpatch_all) or garbage-collected (weakref.finalize on the clone).
+- Fused activations: a Linear whose output feeds nn.GELU(approximate="tanh") alone (an
+  nn.Sequential MLP: Flux's double blocks, Wan's FFN) gets the GELU in its GEMM epilogue,
+  saving a pass over the output (fusable_activations says why not Flux's single blocks).
+  Our kernel marks the tensor it activated (ACTIVATED_ATTR on its storage's root tensor); the
+  GELU module's forward becomes an object patch (FusedActivation) that passes a marked tensor
+  through and runs the GELU on anything else. So every call ComfyUI's Linear (or an
+  extension) serves is activated exactly once, as before, and only ours is fused.
 - Other packs' Linear (kernels/extensions.py register_linear): forced by the Settings node's
   `linear` "ext:<name>", or in auto walked by priority with ours where auto runs ours
   (extension_plan). They get the weight in the input's dtype (ComfyUI's cast under dynamic
@@ -254,6 +261,8 @@ class LinearLayer:
         pattern = state.skip.match(name)
         self.skip_reason = f"name matches skip pattern {pattern!r}" if pattern else None
         self.entries: dict[str, PreparedEntry] = {}  # per device
+        # (activation, first column) our kernel applies in its epilogue (FusedActivation), or None
+        self.activation: tuple[str, int] | None = None
         self.streamed: dict[str, StreamedEntry] = {}  # per device: guard state of calls under dynamic VRAM
         self.fallbacks: dict[str, str] = {}  # device -> why this layer runs ComfyUI's Linear for good
         # Other packs' Linear on this layer, per (device, "ext:<name>"): the weight version its
@@ -272,6 +281,10 @@ class LinearLayer:
         compiling = _is_compiling()
         if not compiling and self.state.interrupt_check is not None:
             self.state.interrupt_check()  # what ComfyUI's Linear.forward does first (Cancel)
+        if self.skip_reason is not None:
+            # Every path below hands a name-skipped layer back first thing; a Flux step makes
+            # ~300 such calls (modulation, embedders), each worth its host time.
+            return self._original(args, kwargs, self.skip_reason)
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             plan = self.state.extension_plan(args[0].device, self.module.weight)
             if plan is not None:
@@ -291,7 +304,7 @@ class LinearLayer:
         if not entry.guarded:
             return self.state.guarded_call(self, x, entry)
         try:
-            out = self.state.backend.run(x, entry.prepared, self.bias_for(x), x.dtype)
+            out = self.run_kernel(x, entry.prepared, self.bias_for(x))
         except Exception as e:  # any kernel failure (compile, launch, memory): ComfyUI's Linear serves the layer
             self.state.fall_back(self, x.device, f"kernel error: {type(e).__name__}: {e}")
             return self._original((x,), {}, REASON_KERNEL_ERROR)
@@ -400,6 +413,26 @@ class LinearLayer:
             return None
         return out
 
+    def run_kernel(self, x: torch.Tensor, prepared, bias):
+        """Our kernel on a prepared weight, with this layer's activation fused (and its output
+        marked for FusedActivation) outside torch.compile's tracing (a traced graph keeps no
+        marks: there the activation module runs the GELU itself)."""
+        if self.activation is None or _is_compiling():
+            return self.state.backend.run(x, prepared, bias, x.dtype)
+        activation, first = self.activation
+        out = self.state.backend.run(x, prepared, bias, x.dtype, activation=activation, activation_from=first)
+        mark_activated(out, first)
+        return out
+
+    def activated_reference(self, reference: torch.Tensor) -> torch.Tensor:
+        """ComfyUI's output with this layer's fused activation applied (a copy), to compare ours with."""
+        if self.activation is None or _is_compiling():
+            return reference
+        first = self.activation[1]
+        out = reference.clone()
+        out[..., first:] = torch.nn.functional.gelu(out[..., first:], approximate="tanh")
+        return out
+
     def bias_for(self, x: torch.Tensor):
         bias = self.module.bias
         # ComfyUI casts the bias to the input's dtype (cast_bias_weight's bias_dtype) too.
@@ -476,6 +509,7 @@ class LinearPatchState:
         self.layers: list[LinearLayer] = []
         self.weights_token = None  # patches_uuid of the weight patches ComfyUI loaded last
         self.interrupt_check = None
+        self.fused_activations = 0  # GELUs our kernels apply in their epilogue (FusedActivation)
         self._refusals: dict[tuple, str | None] = {}
         self._plans: dict[tuple, tuple | None] = {}
         self._lock = threading.RLock()
@@ -610,13 +644,13 @@ class LinearPatchState:
         """Run ComfyUI's Linear and ours on the same input once; keep ours only if it agrees."""
         reference = layer.previous(x)
         try:
-            ours = self.backend.run(x, entry.prepared, layer.bias_for(x), x.dtype)
+            ours = layer.run_kernel(x, entry.prepared, layer.bias_for(x))
         except Exception as e:
             self.fall_back(layer, x.device, f"kernel error: {type(e).__name__}: {e}")
             call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_KERNEL_ERROR, kind=KIND, model=self.label)
             return reference
         entry.guarded = True
-        failure = guard_failure(ours, reference, GUARD_MAX_REL_L2[entry.method])
+        failure = guard_failure(ours, layer.activated_reference(reference), GUARD_MAX_REL_L2[entry.method])
         if failure is not None:
             self.fall_back(layer, x.device, f"quality guard ({entry.method}): {failure}")
             call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_GUARD, kind=KIND, model=self.label)
@@ -650,6 +684,11 @@ class LinearPatchState:
                     clone.object_patches[key] = layers[value.name]
                 else:  # not a Linear layer in the clone's model: ComfyUI's own forward serves it
                     del clone.object_patches[key]
+            elif isinstance(value, FusedActivation):  # stateless, but its GELU should be the clone's module's
+                module = _submodule(getattr(getattr(clone, "model", None), "diffusion_model", None), value.name)
+                if module is not None and module is not value.module:
+                    clone.object_patches[key] = FusedActivation(value.name, module,
+                                                                _rebound(value.previous, value.module, module))
         for by_key in getattr(clone, "callbacks", {}).values():
             callbacks = by_key.get(CALLBACK_KEY, [])
             for i, callback in enumerate(callbacks):
@@ -684,8 +723,9 @@ class LinearPatchState:
         for layer in self.layers:
             module = _submodule(diffusion_model, layer.name)
             if module is not None and is_linear_module(module):
-                state.layers.append(LinearLayer(state, layer.name, module, _rebound(layer.previous, layer.module,
-                                                                                    module)))
+                copy = LinearLayer(state, layer.name, module, _rebound(layer.previous, layer.module, module))
+                copy.activation = layer.activation
+                state.layers.append(copy)
         log.info("Triton Accel Linear (%s): %d Linear layers of a MultiGPU clone patched", self.label,
                  len(state.layers))
         return state
@@ -934,7 +974,7 @@ def _run_streamed(layer: LinearLayer, x: torch.Tensor, method: str, weight_dtype
         except state.backend.input_error as e:
             entry.refusal = str(getattr(e, "reason", e))
             return None
-        return state.backend.run(x, prepared, bias, x.dtype)
+        return layer.run_kernel(x, prepared, bias)
     finally:
         state.weight_cast.uncast(module, weight, bias, handle)
 
@@ -967,7 +1007,7 @@ def _streamed_run(layer: LinearLayer, x: torch.Tensor, method: str, weight_dtype
         if entry.guarded:
             break
         reference = layer.previous(x) if reference is None else reference
-        failure = guard_failure(out, reference, GUARD_MAX_REL_L2[method])
+        failure = guard_failure(out, layer.activated_reference(reference), GUARD_MAX_REL_L2[method])
         if failure is None:
             entry.guarded = True
             break
@@ -987,6 +1027,104 @@ def _streamed_hand_back(layer: LinearLayer, x: torch.Tensor, reference, reason: 
     return reference
 
 
+# ---- fused activations ----------------------------------------------------------------------
+
+ACTIVATION_GELU_TANH = "gelu_tanh"  # kernels.linear's activation name for nn.GELU(approximate="tanh")
+# Set on the root tensor of a Linear output whose columns >= the value our kernel activated.
+ACTIVATED_ATTR = "_triton_accel_activated_from"
+
+
+def mark_activated(out: torch.Tensor, first: int) -> None:
+    """Mark the storage root of our kernel's output: columns >= first hold GELU(x @ W.T + b).
+    The root, because the caller gets a reshaped view of the kernel's [M, N] tensor and views
+    of views (torch.split) all point to it as their _base."""
+    root = out if out._base is None else out._base
+    setattr(root, ACTIVATED_ATTR, int(first))
+
+
+def is_activated(x: torch.Tensor) -> bool:
+    """Whether x lies within columns our kernel already activated: the marked output itself
+    (activated from column 0) or a view of whole rows' trailing columns of it (split off a
+    fused projection). Anything else (a copy, a cast, other columns) is not."""
+    root = x if x._base is None else x._base
+    first = getattr(root, ACTIVATED_ATTR, None)
+    if first is None or x.dim() < 1 or root.dim() < 1:
+        return False
+    width = root.shape[-1]
+    if x.stride(-1) != 1 or root.stride(-1) != 1 or root.numel() != (root.numel() // width) * width:
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows != root.numel() // max(width, 1) or (x.dim() >= 2 and rows > 1 and x.stride(-2) != width):
+        return False
+    column = x.storage_offset() - root.storage_offset()
+    return first <= column and column + x.shape[-1] == width
+
+
+class FusedActivation:
+    """The object patch of an activation module whose Linear our kernel serves with the
+    activation fused: a tensor our kernel activated passes through, anything else (every call
+    ComfyUI's Linear or an extension served, and everything under torch.compile's tracing) goes
+    to the module's own forward. Shared by clones, never copied."""
+
+    def __init__(self, name: str, module: torch.nn.Module, previous):
+        self.name = name
+        self.module = module
+        self.previous = previous
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        if (len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor and not _is_compiling()
+                and is_activated(args[0])):
+            return args[0]
+        return self.previous(*args, **kwargs)
+
+
+def _is_gelu_tanh(module) -> bool:
+    return type(module) is torch.nn.GELU and module.approximate == "tanh"
+
+
+def fusable_activations(diffusion_model: torch.nn.Module) -> list[tuple[str, str, int]]:
+    """(Linear name, activation module name, first activated column) for each GELU-tanh fed by
+    a Linear alone: nn.Sequential(..., Linear, GELU(tanh), ...) (Flux double blocks, Wan FFN,
+    Chroma, HunyuanVideo).
+
+    Not Flux's single blocks (GELU on the MLP columns of linear1's fused output), though the
+    epilogue can take a first column: ComfyUI passes the GELU's output to torch.cat, and
+    handing it the strided slice of linear1's output instead of GELU's contiguous result sends
+    that cat to its non-vectorised kernel. Measured on the H200 (Flux 12B, one step): the GELU
+    pass saved 5.9 ms, the slower cat cost 7.6 ms more (benchmarks/RESULTS.md, session 20)."""
+    found = []
+    for name, module in diffusion_model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, torch.nn.Sequential):
+            children = list(module.named_children())
+            for (n1, m1), (n2, m2) in zip(children, children[1:]):
+                if is_linear_module(m1) and _is_gelu_tanh(m2):
+                    found.append((prefix + n1, prefix + n2, 0))
+    return found
+
+
+def _fuse_activations(patched, state: LinearPatchState) -> int:
+    """Give each fusable layer its activation and patch the activation module; the count."""
+    layers = {layer.name: layer for layer in state.layers}
+    fused = 0
+    for linear_name, act_name, first in fusable_activations(patched.model.diffusion_model):
+        layer = layers.get(linear_name)
+        if layer is None or layer.skip_reason:
+            continue
+        key = f"diffusion_model.{act_name}.forward"
+        previous = patched.get_model_object(key)
+        while isinstance(previous, FusedActivation):  # re-patching one of our clones
+            previous = previous.previous
+        module = _submodule(patched.model.diffusion_model, act_name)
+        layer.activation = (ACTIVATION_GELU_TANH, first)
+        patched.add_object_patch(key, FusedActivation(act_name, module, previous))
+        fused += 1
+    return fused
+
+
 # ---- patching a ModelPatcher ----------------------------------------------------------------
 
 def _interrupt_check():
@@ -997,10 +1135,11 @@ def _interrupt_check():
 def patch_linear_model(model, settings: AccelSettings | None = None, skip: str = SKIP_AUTO,
                        min_tokens: int = MIN_TOKENS, backend: LinearBackend | None = None,
                        label: str | None = None, dynamic_vram: str = DYNAMIC_VRAM_AUTO,
-                       weight_cast: ComfyWeightCast | None = None):
+                       weight_cast: ComfyWeightCast | None = None, fuse_activations: bool = True):
     """A clone of `model` (a ComfyUI ModelPatcher) whose diffusion model's Linear layers go
     through kernels.linear. `label`: call_stats' name for the clone (a new one when None);
-    `dynamic_vram`: one of DYNAMIC_VRAM_MODES (what calls whose weights ComfyUI streams get).
+    `dynamic_vram`: one of DYNAMIC_VRAM_MODES (what calls whose weights ComfyUI streams get);
+    `fuse_activations`: GELUs fed by a served Linear run in its GEMM epilogue (FusedActivation).
     Raises ValueError for a skip pattern that does not parse or an unknown dynamic_vram."""
     settings = settings or AccelSettings("auto")
     patterns = SkipPatterns.parse(skip)
@@ -1020,12 +1159,14 @@ def patch_linear_model(model, settings: AccelSettings | None = None, skip: str =
         layer = LinearLayer(state, name, module, previous)
         state.layers.append(layer)
         patched.add_object_patch(key, layer)
+    state.fused_activations = _fuse_activations(patched, state) if fuse_activations else 0
     _add_callbacks(patched, state)
     weakref.finalize(patched, state.release)
     patched.triton_accel_linear = state  # for the node's text and tests; clones do not copy it
     skipped = sum(1 for layer in state.layers if layer.skip_reason)
     log.info("Triton Accel Linear (%s): %d Linear layers patched (%d skipped by name, fewer than %d tokens "
-             "go to ComfyUI's Linear)", label, len(state.layers), skipped, state.min_tokens)
+             "go to ComfyUI's Linear); %d GELU activations fused into their GEMM", label, len(state.layers), skipped,
+             state.min_tokens, state.fused_activations)
     return patched
 
 
@@ -1058,6 +1199,9 @@ def patched_linear_text(patched, settings: AccelSettings) -> str:
     skipped = sum(1 for layer in state.layers if layer.skip_reason)
     text = (f"{state.label}: {len(state.layers)} Linear layers patched, {skipped} of them skipped by name; "
             f"calls under {state.min_tokens} tokens go to ComfyUI's Linear")
+    if state.fused_activations:
+        text += (f"; {state.fused_activations} GELU activations run in our GEMM's epilogue (ComfyUI's GELU "
+                 "still runs on every call ComfyUI's Linear serves)")
     if _dynamic_vram_enabled():
         text += f"\nComfyUI's dynamic VRAM is on: {DYNAMIC_VRAM_TEXT[state.dynamic_vram]}"
     device = getattr(patched, "load_device", None)

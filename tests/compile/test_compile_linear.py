@@ -53,12 +53,21 @@ CURRENT = [
     ("linear_fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
     ("linear_fp8_weight_only", {"in_dtype": "fp16", "out_dtype": "fp16"}, 86, "sm86"),
     ("linear_fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "fp16", "has_bias": False}, 86, "sm86"),
+    # The GELU epilogue (kernels.linear's activation="gelu_tanh"), one case per GEMM: act 2,
+    # the tanh.approx.f32 form NVIDIA launches with 16-bit outputs; act 1, the exp2 form (fp32
+    # outputs).
+    ("linear_fp8", {"out_dtype": "bf16", "has_bias": True, "tma": True, "act": 2}, 90, "sm90"),
+    ("linear_fp8", {"out_dtype": "fp32", "has_bias": True, "tma": True, "act": 1}, 90, "sm90"),
+    ("linear_fp8", {"out_dtype": "fp16", "has_bias": True, "act": 2}, 120, "sm120"),
+    ("linear_int8", {"in_dtype": "fp16", "out_dtype": "fp16", "act": 2}, 86, "sm86"),
+    ("linear_fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16", "act": 2}, 80, "sm80"),
 ]
 TRITON32 = [
     ("linear_int8", {"in_dtype": "fp16", "out_dtype": "fp16"}, 75, "sm75"),
     ("linear_int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
     ("linear_fp8_weight_only", {"in_dtype": "fp16", "out_dtype": "fp16"}, 80, "sm80"),
     ("linear_fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16"}, 86, "sm86"),
+    ("linear_int8", {"in_dtype": "fp16", "out_dtype": "fp16", "act": 2}, 75, "sm75"),
 ]
 # Other Triton releases users run (tests/versions/ installs them): one case per method and MMA
 # kind. 3.3 (first with sm_120), 3.5 (torch 2.9's), 3.6 (the H200's), 3.8 (newest triton-windows);
@@ -71,6 +80,7 @@ PER_VERSION = [
     ("linear_int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
     ("linear_int8", {"in_dtype": "fp16", "out_dtype": "fp16"}, 90, "sm90"),
     ("linear_fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16"}, 86, "sm86"),
+    ("linear_fp8", {"out_dtype": "bf16", "has_bias": True, "act": 2}, 89, "sm89"),
 ]
 CONFIG_TABLE = {"linear_fp8": "LINEAR_FP8_CONFIGS", "linear_int8": "LINEAR_INT8_CONFIGS",
                 "linear_fp8_weight_only": "LINEAR_FP8_WO_CONFIGS"}
@@ -187,6 +197,10 @@ def _check(job, results):
         assert re.search(r"shl\.b(16|32)", gemm), "the e4m3 byte decode (shifts) is missing"
     if cc != 90:
         assert "wgmma" not in gemm
+    # The GELU epilogue: one tanh.approx (act 2) or one exp2 (act 1) per element, only when asked for.
+    act = kwargs.get("act", 0)
+    assert bool(re.search(r"tanh\.approx\.f32", gemm)) == (act == 2), f"act {act}: tanh.approx"
+    assert bool(re.search(r"ex2\.approx", gemm)) == (act == 1), f"act {act}: ex2.approx"
 
 
 @pytest.mark.parametrize("job", CURRENT, ids=[_id(j) for j in CURRENT])

@@ -152,6 +152,9 @@ def test_forced_fp8_linear_matches_unpatched(runs, comfy, family):
     err = rel_l2(run["latent"], ref["latent"])
     print(f"\n[{family}] fp8 Linear: rel L2 vs unpatched {err:.3e}; linear {json.dumps(run['linear'])}")
     assert run["linear"]["handed_back"] > 0, "the default skip patterns should hand back embedders/modulation"
+    if family in ("flux", "wan21"):  # their MLPs' GELU (tanh) runs in our GEMM's epilogue
+        fused = run["stats"].get("kernels", {}).get("linear_epilogue_activation", 0)
+        assert fused > 0, f"no GEMM with the GELU fused: {run['stats'].get('kernels')}"
     assert 0 < err < LINEAR_TOL[family], f"latent differs from the unpatched run by {err:.3e} ({served} calls ours)"
 
 

@@ -97,6 +97,51 @@ def test_out_dtype(method, out_dtype):
     assert rel_l2(out, fp32_linear(x, w, b)) <= TOL_VS_FP32[method]
 
 
+# Output columns >= activation_from get GELU (tanh) in the GEMM's epilogue. Against the same
+# kernel's fp32 output with torch's GELU applied afterwards (same quantised operands): fp32 out
+# <= 1e-5 relative (exp2 vs tanh formulation), bf16/fp16 out within their rounding (2^-8 /
+# 2^-11 relative, plus an absolute floor for GELU's near-zero negative tail); the columns
+# before activation_from bit-identical to the call without activation.
+ACT_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (8e-3, 2e-3), torch.float16: (1e-3, 1e-3)}
+
+
+@pytest.mark.parametrize("act_from", [0, 40, 64], ids=["all_columns", "mid_tile", "tile_edge"])
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("method", METHODS)
+def test_gelu_epilogue(method, out_dtype, act_from):
+    lead, k, n = (3, 13), 128, 96
+    gen = torch.Generator().manual_seed(21)
+    x, w, b = activations(lead, k, torch.bfloat16, gen), weights(n, k, gen), torch.randn(n, generator=gen)
+    prepared = kernels.prepare_weight(w, method)
+    plain = kernels.linear(x, prepared, b, out_dtype=torch.float32)
+    kernels.stats.reset()
+    ours = kernels.linear(x, prepared, b, out_dtype=out_dtype, activation="gelu_tanh", activation_from=act_from)
+    # the kernel with its epilogue, not a torch fallback
+    assert kernels.stats.counts() == {f"triton_linear_{method}": 1, L.EPILOGUE_COUNTER: 1}
+    assert ours.dtype == out_dtype and ours.shape == (*lead, n)
+    expect = plain.clone()
+    expect[..., act_from:] = torch.nn.functional.gelu(plain[..., act_from:], approximate="tanh")
+    rtol, atol = ACT_TOL[out_dtype]
+    torch.testing.assert_close(ours.float(), expect, rtol=rtol, atol=atol)
+    same_dtype = kernels.linear(x, prepared, b, out_dtype=out_dtype)
+    assert torch.equal(ours[..., :act_from], same_dtype[..., :act_from])
+    # The activation did run: GELU sends the many negative outputs near zero.
+    assert (plain[..., act_from:] < -1).any() and (ours[..., act_from:].float() > -0.2).all()
+    ref = L.linear_ref(x, prepared, b, activation="gelu_tanh", activation_from=act_from)
+    assert rel_l2(ours, ref) <= TOL_VS_FP32[method]
+
+
+def test_gelu_epilogue_traces_under_torch_compile():
+    gen = torch.Generator().manual_seed(22)
+    x, w = activations((2, 7), 64, torch.bfloat16, gen), weights(48, 64, gen)
+    prepared = kernels.prepare_weight(w, "fp8_w8a8")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: kernels.linear(t, prepared, activation="gelu_tanh", activation_from=16),
+                             backend="aot_eager", fullgraph=True)
+    out = compiled(x)
+    assert torch.equal(out, kernels.linear(x, prepared, activation="gelu_tanh", activation_from=16))
+
+
 def test_zero_token_gives_the_bias():
     # A row of zeros: the amax floor keeps its scale finite, and the output is exactly the bias.
     gen = torch.Generator().manual_seed(3)
@@ -242,6 +287,9 @@ def _bad_calls():
         "not_prepared": (lambda: kernels.linear(x, w), "prepare_weight"),
         "bias_shape": (lambda: kernels.linear(x, good, torch.zeros(31)), "bias must have shape"),
         "out_dtype": (lambda: kernels.linear(x, good, out_dtype=torch.int32), "out_dtype"),
+        "activation_unknown": (lambda: kernels.linear(x, good, activation="relu"), "unknown activation"),
+        "activation_from_past_n": (lambda: kernels.linear(x, good, activation="gelu_tanh", activation_from=32),
+                                   "activation_from"),
     }
 
 

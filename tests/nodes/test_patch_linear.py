@@ -632,3 +632,183 @@ def test_settings_node_shows_both_decisions():
     assert "fp16 forced on the CPU" in text and "Linear: int8 forced on the CPU" in text, text
     with pytest.raises(ValueError, match="unknown Linear mode"):
         AccelSettings("auto", linear_mode="fp4")
+
+
+# ---- fused activations ----------------------------------------------------------------------
+# A Linear feeding nn.GELU(approximate="tanh") gets the GELU in its GEMM epilogue; the GELU
+# module's forward passes what our kernel activated and runs on everything else. Tolerance of
+# the fused model against the unpatched one: MODEL_TOL (the quantisation's; the GELU itself is
+# computed in fp32 either way).
+
+class SingleStreamBlock(torch.nn.Module):
+    """Flux's single block: linear1's output split into [3 * hidden | MLP], mlp_act on the MLP
+    part only, then torch.cat: not fused (see pl.fusable_activations)."""
+
+    def __init__(self, hidden=48, mlp_ratio=2.0, yak_mlp=False):
+        super().__init__()
+        self.hidden_size = hidden
+        self.mlp_hidden_dim = self.mlp_hidden_dim_first = int(hidden * mlp_ratio)
+        self.yak_mlp = yak_mlp
+        self.linear1 = ComfyLinear(hidden, hidden * 3 + self.mlp_hidden_dim_first)
+        self.linear2 = ComfyLinear(hidden + self.mlp_hidden_dim, hidden)
+        self.mlp_act = torch.nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        qkv, mlp = torch.split(self.linear1(x), [3 * self.hidden_size, self.mlp_hidden_dim_first], dim=-1)
+        q, k, v = qkv.chunk(3, dim=-1)
+        attn = F.scaled_dot_product_attention(q, k, v)
+        return x + self.linear2(torch.cat((attn, self.mlp_act(mlp)), 2))
+
+
+class FusableDiT(torch.nn.Module):
+    def __init__(self, dim=48):
+        super().__init__()
+        self.double_mlp = torch.nn.Sequential(ComfyLinear(dim, 2 * dim), torch.nn.GELU(approximate="tanh"),
+                                              ComfyLinear(2 * dim, dim))
+        self.single_blocks = torch.nn.ModuleList([SingleStreamBlock(dim)])
+
+    def forward(self, x):
+        x = x + self.double_mlp(x)
+        for block in self.single_blocks:
+            x = block(x)
+        return x
+
+
+class FusableModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.diffusion_model = FusableDiT()
+
+
+@pytest.fixture
+def gelu_calls(monkeypatch):
+    """Counts nn.GELU forwards that ran (installed before the models' forwards are captured)."""
+    calls = []
+    original = torch.nn.GELU.forward
+
+    def forward(self, x):
+        calls.append(tuple(x.shape))
+        return original(self, x)
+
+    monkeypatch.setattr(torch.nn.GELU, "forward", forward)
+    return calls
+
+
+def _fusable(seed=0):
+    torch.manual_seed(seed)
+    base = FakePatcher(FusableModel())
+    x = torch.randn(2, 40, 48)
+    with torch.no_grad():
+        expected = base.model.diffusion_model(x)
+    return base, x, expected
+
+
+def test_fusable_activations_found_in_real_block_shapes():
+    # The Sequential MLP only: a single block's GELU feeds torch.cat, which runs slower on the
+    # strided slice of linear1 than the GELU pass costs (pl.fusable_activations).
+    assert pl.fusable_activations(FusableModel().diffusion_model) == [("double_mlp.0", "double_mlp.1", 0)]
+    # exact GELU (approximate="none", SD-style blocks) is not what the epilogue computes
+    assert pl.fusable_activations(BaseModel().diffusion_model) == []
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8", "fp8_weight_only"])
+def test_gelu_runs_in_the_gemm_and_the_model_matches_unpatched(mode, gelu_calls):
+    method = _method_available(mode)
+    base, x, expected = _fusable()
+    gelu_calls.clear()
+    patched = pl.patch_linear_model(base, FORCED[mode], skip="", min_tokens=16)
+    state = patched.triton_accel_linear
+    assert state.fused_activations == 1
+    assert {k for k, v in patched.object_patches.items() if isinstance(v, pl.FusedActivation)} == {
+        "diffusion_model.double_mlp.1.forward"}
+    assert "1 GELU activations run in our GEMM's epilogue" in pl.patched_linear_text(patched, FORCED[mode])
+    patched.patch_model()
+    with torch.no_grad():
+        first = patched.model.diffusion_model(x)  # the guard's call
+        second = patched.model.diffusion_model(x)
+    stats = _linear_stats()
+    assert stats["served"] == 8 and stats["paths"] == {method: 8}, stats
+    # only the single block's GELU (not fused) ran: never on an output our kernel had activated
+    assert gelu_calls == [(2, 40, 96)] * 2, gelu_calls
+    assert torch.equal(first, second)
+    err = _rel_l2(second, expected)
+    assert 0 < err < MODEL_TOL, err
+    patched.detach()
+    with torch.no_grad():
+        assert torch.equal(base.model.diffusion_model(x), expected)
+
+
+def test_handed_back_calls_keep_comfyuis_gelu(gelu_calls):
+    _method_available("fp8")
+    base, x, expected = _fusable()
+    gelu_calls.clear()
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=10 ** 6)
+    patched.patch_model()
+    with torch.no_grad():
+        out = patched.model.diffusion_model(x)
+    assert _linear_stats()["served"] == 0
+    assert len(gelu_calls) == 2
+    assert torch.equal(out, expected)
+    patched.detach()
+
+
+def test_guard_failure_with_a_fused_activation_hands_back_unactivated(gelu_calls):
+    broken = pl.LinearBackend(kernels.prepare_weight,
+                              lambda x, p, b, dt, **kw: torch.full((*x.shape[:-1], p.out_features), 7.0, dtype=dt),
+                              kernels.linear_refusal, kernels.LinearInputError)
+    base, x, expected = _fusable()
+    gelu_calls.clear()
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, backend=broken)
+    patched.patch_model()
+    with torch.no_grad():
+        out = patched.model.diffusion_model(x)
+    assert torch.equal(out, expected)
+    assert len(gelu_calls) == 2
+    assert _linear_stats()["handed_back"] == 4
+    patched.detach()
+
+
+def test_traced_calls_leave_the_gelu_to_comfyui(monkeypatch, gelu_calls):
+    # Under torch.compile's tracing outputs cannot carry the mark: the kernel runs without the
+    # activation and the GELU module runs as in ComfyUI.
+    _method_available("fp8")
+    base, x, expected = _fusable()
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
+    patched.patch_model()
+    with torch.no_grad():
+        eager = patched.model.diffusion_model(x)  # prepares the weights and runs the guard
+        gelu_calls.clear()
+        monkeypatch.setattr(pl, "_is_compiling", lambda: True)
+        traced = patched.model.diffusion_model(x)
+    assert len(gelu_calls) == 2
+    assert _rel_l2(traced, eager) < 0.01  # the same quantised GEMMs; the GELU's output rounding apart
+    patched.detach()
+
+
+def test_repatching_unwraps_our_activation_patch():
+    base, _, _ = _fusable()
+    first = pl.patch_linear_model(base, FORCED["fp8"], skip="")
+    second = pl.patch_linear_model(first, FORCED["fp8"], skip="")
+    patch = second.object_patches["diffusion_model.double_mlp.1.forward"]
+    assert isinstance(patch, pl.FusedActivation) and not isinstance(patch.previous, pl.FusedActivation)
+    # a skipped Linear leaves its activation to ComfyUI (the clone's inherited patch runs it)
+    third = pl.patch_linear_model(first, FORCED["fp8"], skip="double_mlp.*")
+    assert third.triton_accel_linear.fused_activations == 0
+    layer = next(layer for layer in third.triton_accel_linear.layers if layer.name == "double_mlp.0")
+    assert layer.activation is None
+
+
+def test_is_activated_follows_views_of_the_marked_output():
+    out2d = torch.randn(6, 40)
+    view = out2d.reshape(2, 3, 40)
+    pl.mark_activated(view, 16)
+    assert not pl.is_activated(view)  # columns 0-15 are not activated
+    qkv, mlp = torch.split(view, [16, 24], dim=-1)
+    assert pl.is_activated(mlp) and not pl.is_activated(qkv)
+    assert pl.is_activated(view[..., 20:]) and not pl.is_activated(view[..., 8:])
+    assert not pl.is_activated(mlp.contiguous()) and not pl.is_activated(mlp.float() * 1)
+    assert not pl.is_activated(view[:1, :, 16:]), "fewer rows than the kernel wrote: not the same call's output"
+    whole = torch.randn(4, 32)
+    pl.mark_activated(whole, 0)
+    assert pl.is_activated(whole) and pl.is_activated(whole.view(2, 2, 32))
+    assert not pl.is_activated(whole.t()) and not pl.is_activated(torch.randn(4, 32))

@@ -1,0 +1,154 @@
+"""Host (CPU) time per call of the pack's hot paths on a GPU, where a step can be host-bound.
+
+Each path runs on tensors so small that the GPU finishes a call long before the host issues
+the next, so wall time / calls is the host's cost of one call (Python + Triton's launch).
+Flux 12B makes ~940 Linear calls and ~170 attention calls a step: at 50 us each the host
+needs ~50 ms, a third of the H200's 130 ms of kernels.
+
+    python benchmarks/host_overhead.py [--calls 400] [--profile 300] [--out DIR]
+
+Prints a table of microseconds per call, then cProfile's top functions for the patched
+Linear layer's call (the node path ComfyUI runs) and for the FP8 attention call; writes
+host_overhead.json under --out (default $OUT or .).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _load import load_pack  # noqa: E402
+
+pack = load_pack()
+kernels = importlib.import_module(pack.__name__ + ".kernels")
+lf = importlib.import_module(pack.__name__ + ".kernels.linear_fp8")
+pl = importlib.import_module(pack.__name__ + ".nodes.patch_linear")
+settings_mod = importlib.import_module(pack.__name__ + ".nodes.settings")
+pa = importlib.import_module(pack.__name__ + ".nodes.patch_attention")
+
+
+def per_call_us(fn, calls):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def profile_text(fn, calls, top=25):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--profile", type=int, default=300)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # 1024 tokens (the patch's minimum) x 128 -> 128: microseconds of GPU work per call.
+    x = torch.randn(1, 1024, 128, device=dev, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(128, 128, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
+    b = torch.randn(128, device=dev, generator=gen).to(torch.bfloat16)
+    prepared = kernels.prepare_weight(w, "fp8_w8a8")
+    fw = lf.Fp8LinearWeight(prepared.weight, prepared.scale)
+    xq, xs = lf.quantize_activation(x.view(-1, 128))
+
+    module = torch.nn.Linear(128, 128, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(w)
+        module.bias.copy_(b)
+    state = pl.LinearPatchState(settings_mod.AccelSettings("off", linear_mode="fp8"), pl.SkipPatterns.parse(""),
+                                min_tokens=1024, label="host-overhead")
+    layer = pl.LinearLayer(state, "blocks.0.mlp.0", module, module.forward)
+    fused = pl.LinearLayer(state, "blocks.0.mlp.1", module, module.forward)
+    fused.activation = ("gelu_tanh", 0)
+    skipped = pl.LinearLayer(state, "blocks.0.mlp.0", module, module.forward)
+    skipped.skip_reason = "name matches skip pattern (host_overhead)"
+    small = x[:, :512]  # under min_tokens: ComfyUI's Linear serves it
+    state.layers += [layer, fused, skipped]
+    with torch.no_grad():
+        layer(x), fused(x)  # prepare + guard
+
+    q = torch.randn(1, 24, 256, 128, device=dev, generator=gen).to(torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+
+    override = pa.AttentionOverride(settings_mod.AccelSettings("auto"), label="host-overhead")
+
+    def comfy_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                        skip_output_reshape=False, **kwargs):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    override(comfy_attention, q, k, v, 24, skip_reshape=True, skip_output_reshape=True)  # auto's timing
+    paths = {
+        "F.linear (cuBLAS)": lambda: F.linear(x, w, b),
+        "F.linear + F.gelu": lambda: F.gelu(F.linear(x, w, b), approximate="tanh"),
+        "quantize_activation (1 Triton launch)": lambda: lf.quantize_activation(x.view(-1, 128)),
+        "fp8_gemm (1 Triton launch, TMA)": lambda: lf.fp8_gemm(xq, xs, fw, b, torch.bfloat16),
+        "kernels.linear fp8_w8a8": lambda: kernels.linear(x, prepared, b),
+        "kernels.linear fp8_w8a8 + gelu epilogue": lambda: kernels.linear(x, prepared, b, activation="gelu_tanh"),
+        "LinearLayer (node path)": lambda: layer(x),
+        "LinearLayer with fused GELU": lambda: fused(x),
+        "nn.Linear forward, 512 tokens": lambda: module(small),
+        "LinearLayer, 512 tokens (handed back)": lambda: layer(small),
+        "LinearLayer, skipped by name (handed back)": lambda: skipped(x),
+        "SDPA (cuDNN/flash) 24x256x128": lambda: F.scaled_dot_product_attention(q, k, v),
+        "kernels.attention fp16 path": lambda: kernels.attention(q, k, v),
+        "kernels.attention fp8": lambda: kernels.attention(q, k, v, precision="fp8"),
+        "attention override, auto (ComfyUI's call)": lambda: override(comfy_attention, q, k, v, 24, skip_reshape=True,
+                                                                      skip_output_reshape=True),
+    }
+    rows = []
+    with torch.no_grad():
+        for name, fn in paths.items():
+            try:
+                rows.append(dict(path=name, us=per_call_us(fn, args.calls)))
+            except Exception as e:
+                rows.append(dict(path=name, error=f"{type(e).__name__}: {e}"[:300]))
+            print(rows[-1], flush=True)
+        profiles = {}
+        for name in ("LinearLayer with fused GELU", "kernels.attention fp8", "attention override, auto (ComfyUI's call)"):
+            try:
+                profiles[name] = profile_text(paths[name], args.profile)
+            except Exception as e:
+                profiles[name] = f"{type(e).__name__}: {e}"
+    import triton
+
+    call_stats = importlib.import_module(pack.__name__ + ".nodes.call_stats")
+    report = dict(call_stats=call_stats.snapshot(), env=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           cpu=os.cpu_count()), rows=rows, profiles=profiles)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "host_overhead.json").write_text(json.dumps(report, indent=1))
+    for name, text in profiles.items():
+        print(f"\n==== cProfile, {args.profile} calls: {name}\n{text}")
+    print(f"\ncall stats (auto's choice for the override): {json.dumps(report['call_stats'])[:1500]}")
+    print("\nhost time per call (us; tiny tensors, so the GPU waits on the host)")
+    for r in rows:
+        print(f"{r['path']:45s} {r['us']:8.1f}" if "us" in r else f"{r['path']:45s} {r['error']}")
+
+
+if __name__ == "__main__":
+    main()
