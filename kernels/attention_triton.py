@@ -18,7 +18,6 @@ mask layout, arch family, padding) live in kernel_common.py.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 
@@ -464,9 +463,7 @@ def attention_triton(q, k, v, attn_mask=None, scale=None, is_causal=False, confi
 
 # _attn_fwd's constexprs in signature order, read from the kernel itself: the direct launch
 # appends their values to the runtime args, so a constexpr added to the kernel cannot be missed.
-_CONSTEXPR_ORDER = tuple(
-    p.name for p in inspect.signature(_attn_fwd.fn).parameters.values() if "constexpr" in str(p.annotation)
-) if triton is not None else ()
+_CONSTEXPR_ORDER = direct_launch.constexpr_order(_attn_fwd) if triton is not None else ()
 
 
 def _runtime_args(q, k, v, out, mk, scale, mstr, H, Hkv, Lq, Lk):

@@ -33,6 +33,16 @@ _plans: dict = {}  # caller's signature key -> Plan
 cache_registry.register("kernels.direct_launch.plans", _plans.clear)
 
 
+def constexpr_order(kernel) -> tuple:
+    """A @triton.jit kernel's constexpr names in signature order: launch() appends the plan's
+    constexpr values after the runtime args in this order, read from the kernel itself so a
+    constexpr added to it cannot be missed."""
+    import inspect
+
+    return tuple(p.name for p in inspect.signature(kernel.fn).parameters.values()
+                 if "constexpr" in str(p.annotation))
+
+
 def usable(t: torch.Tensor) -> bool:
     # Verification synchronises (torch.equal), which a stream capture does not allow.
     return ENABLED and t.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()

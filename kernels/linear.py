@@ -358,7 +358,7 @@ def linear(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tensor |
     """x @ W.T + bias for x [..., K] with a weight from prepare_weight: [..., N] in out_dtype
     (default x's dtype). `activation` ("gelu_tanh": nn.GELU(approximate="tanh")) is applied in
     the GEMM's epilogue to output columns >= activation_from (a fused projection whose tail
-    feeds an MLP, e.g. Flux's single blocks). Raises LinearInputError for bad inputs and
+    feeds an MLP). Raises LinearInputError for bad inputs and
     BackendUnavailableError (with the reason) where the method cannot run on x's device."""
     out_dtype = _check_call(x, prepared, bias, out_dtype)
     act = activation_code(activation, activation_from, prepared.out_features)

@@ -33,7 +33,6 @@ of 16 (TMA strides and MMA depth); M is anything.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -424,11 +423,6 @@ def default_config(device: torch.device, interpreter: bool) -> dict:
     return dict(LINEAR_FP8_CONFIGS[config_family(_device.describe(device).arch)])
 
 
-# Constexpr names of each kernel in signature order: a direct launch appends their values.
-def _constexpr_order(kernel) -> tuple:
-    return tuple(p.name for p in inspect.signature(kernel.fn).parameters.values() if "constexpr" in str(p.annotation))
-
-
 def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token e4m3 of a [M, K] activation (unit last stride): (x_fp8 [M, K], scale [M] fp32)."""
     interpreter = _check_device(x2d.device)
@@ -463,12 +457,13 @@ def _subtiled(cfg: dict, fp32_out: bool) -> bool:
     return bool(cfg.get("EPILOGUE_SUBTILE", False)) or fp32_out
 
 
-def _tma_usable(*tensors: torch.Tensor) -> bool:
+def _tma_usable(*tensors: torch.Tensor, host_tma: bool | None = None) -> bool:
     """Host TMA descriptors: Triton 3.4+ and 16-byte aligned bases (a weight sliced out of a
-    fused one may not be); otherwise the pointer-load kernel serves the call."""
-    if feature_refusal("host_tensor_descriptor", _device.triton_version()) is not None:
-        return False
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+    fused one may not be); otherwise the pointer-load kernel serves the call. `host_tma`: the
+    Triton half already known (_CudaFacts), else asked here."""
+    if host_tma is None:
+        host_tma = feature_refusal("host_tensor_descriptor", _device.triton_version()) is None
+    return host_tma and all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None,
@@ -505,8 +500,8 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
     programs = min(tiles, INTERPRETER_PROGRAMS if interpreter else sm_count(device.index or 0))
     consts = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
                   NUM_PROGRAMS=programs, ACT=epilogue_act(int(act), device, out_dtype))
-    tma = (bool(cfg.get("TMA")) and not interpreter and _cuda_facts(device).host_tma
-           and x_fp8.data_ptr() % 16 == 0 and w.weight.data_ptr() % 16 == 0)
+    tma = (bool(cfg.get("TMA")) and not interpreter
+           and _tma_usable(x_fp8, w.weight, host_tma=_cuda_facts(device).host_tma))
     if tma:
         subtile = _subtiled(cfg, out_dtype == torch.float32)
         consts.update(FLATTEN=bool(cfg.get("FLATTEN", False)), EPILOGUE_SUBTILE=subtile)
@@ -585,9 +580,10 @@ def run_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
     return fp8_gemm(x_fp8, x_scale, Fp8LinearWeight(weight, scale), bias, out_dtype, act=act, act_from=act_from)
 
 
-_QUANT_CONSTEXPRS = _constexpr_order(_quant_rows_fp8) if triton is not None else ()
-_TMA_CONSTEXPRS = _constexpr_order(_fp8_linear_tma) if triton is not None else ()
-_PTR_CONSTEXPRS = _constexpr_order(_fp8_linear_ptr) if triton is not None else ()
+# The kernels' constexpr names in signature order: a direct launch appends their values.
+_QUANT_CONSTEXPRS = direct_launch.constexpr_order(_quant_rows_fp8) if triton is not None else ()
+_TMA_CONSTEXPRS = direct_launch.constexpr_order(_fp8_linear_tma) if triton is not None else ()
+_PTR_CONSTEXPRS = direct_launch.constexpr_order(_fp8_linear_ptr) if triton is not None else ()
 
 
 def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, tma: bool | None = None,

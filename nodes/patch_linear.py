@@ -509,12 +509,16 @@ class LinearPatchState:
         self.layers: list[LinearLayer] = []
         self.weights_token = None  # patches_uuid of the weight patches ComfyUI loaded last
         self.interrupt_check = None
-        self.fused_activations = 0  # GELUs our kernels apply in their epilogue (FusedActivation)
         self._refusals: dict[tuple, str | None] = {}
         self._plans: dict[tuple, tuple | None] = {}
         self._lock = threading.RLock()
         with _live_states_lock:
             _live_states.add(self)
+
+    @property
+    def fused_activations(self) -> int:
+        """GELUs our kernels apply in their epilogue (FusedActivation)."""
+        return sum(layer.activation is not None for layer in self.layers)
 
     # Prepared weights are GPU memory: a deep copy of whatever holds this state (a callback
     # list, say) must share it, never copy it. MultiGPU clones get their own state through
@@ -1048,11 +1052,9 @@ def is_activated(x: torch.Tensor) -> bool:
     fused projection). Anything else (a copy, a cast, other columns) is not."""
     root = x if x._base is None else x._base
     first = getattr(root, ACTIVATED_ATTR, None)
-    if first is None or x.dim() < 1 or root.dim() < 1:
+    if first is None or x.dim() < 1 or root.dim() < 1 or x.stride(-1) != 1 or root.stride(-1) != 1:
         return False
     width = root.shape[-1]
-    if x.stride(-1) != 1 or root.stride(-1) != 1 or root.numel() != (root.numel() // width) * width:
-        return False
     rows = x.numel() // max(x.shape[-1], 1)
     if rows != root.numel() // max(width, 1) or (x.dim() >= 2 and rows > 1 and x.stride(-2) != width):
         return False
@@ -1106,10 +1108,9 @@ def fusable_activations(diffusion_model: torch.nn.Module) -> list[tuple[str, str
     return found
 
 
-def _fuse_activations(patched, state: LinearPatchState) -> int:
-    """Give each fusable layer its activation and patch the activation module; the count."""
+def _fuse_activations(patched, state: LinearPatchState) -> None:
+    """Give each fusable layer its activation and patch the activation module."""
     layers = {layer.name: layer for layer in state.layers}
-    fused = 0
     for linear_name, act_name, first in fusable_activations(patched.model.diffusion_model):
         layer = layers.get(linear_name)
         if layer is None or layer.skip_reason:
@@ -1121,8 +1122,6 @@ def _fuse_activations(patched, state: LinearPatchState) -> int:
         module = _submodule(patched.model.diffusion_model, act_name)
         layer.activation = (ACTIVATION_GELU_TANH, first)
         patched.add_object_patch(key, FusedActivation(act_name, module, previous))
-        fused += 1
-    return fused
 
 
 # ---- patching a ModelPatcher ----------------------------------------------------------------
@@ -1159,7 +1158,8 @@ def patch_linear_model(model, settings: AccelSettings | None = None, skip: str =
         layer = LinearLayer(state, name, module, previous)
         state.layers.append(layer)
         patched.add_object_patch(key, layer)
-    state.fused_activations = _fuse_activations(patched, state) if fuse_activations else 0
+    if fuse_activations:
+        _fuse_activations(patched, state)
     _add_callbacks(patched, state)
     weakref.finalize(patched, state.release)
     patched.triton_accel_linear = state  # for the node's text and tests; clones do not copy it
