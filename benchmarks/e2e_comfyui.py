@@ -35,6 +35,12 @@ ModelPatcherDynamic, memory_management.aimdo_enabled): the models' weights live 
 each Linear layer's weight is cast per call from a virtual VRAM buffer. Needs CUDA and
 comfy-aimdo (ComfyUI 0.29's requirements.txt), and says so when either is missing. The rows
 then show how many Linear calls our kernels served under it ("fp8_w8a8 (dynamic VRAM)").
+
+Per timed step a row also keeps the host's time to issue it (`step_host_ms`: near the step
+time when the step is host-bound) and whether the kernels' direct launch is still on.
+Environment: E2E_KPROFILE=<dir> (device time per kernel of one more step), E2E_CPROFILE=<dir>
+(cProfile of one more step), E2E_SYNC_DEBUG=1 (torch warns, with a stack, at every host-device
+synchronisation inside a timed step). The pack's INFO log (auto's timings) goes to stderr.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import statistics
 import sys
@@ -220,14 +227,21 @@ def time_steps(run, steps, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
-    times, gc_ms = [], []
+    times, gc_ms, host_ms = [], [], []
     pauses = GcPauses()
+    sync_debug = os.environ.get("E2E_SYNC_DEBUG") and device.type == "cuda"
+    if sync_debug:  # every host-device synchronisation inside a timed step warns, with its stack
+        torch.cuda.set_sync_debug_mode("warn")
     for _ in range(steps):
         with pauses.step():
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+                t0 = time.perf_counter()
                 out = run()
+                # The host's time to issue the step: close to the step time when the GPU waits
+                # for the host (a host-bound step), well below it when the GPU is the bound.
+                host_ms.append((time.perf_counter() - t0) * 1e3)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
@@ -236,6 +250,9 @@ def time_steps(run, steps, device):
                 out = run()
                 times.append((time.perf_counter() - t0) * 1e3)
         gc_ms.append(pauses.last_ms)
+    if sync_debug:
+        torch.cuda.set_sync_debug_mode(0)
+    time_steps.last_host_ms = host_ms
     time_steps.last_times = times  # every timed step, for the JSON (a slow first step shows there)
     time_steps.last_gc_ms = gc_ms  # Python's garbage-collector pauses inside each timed step
     return statistics.median(times), out, first_ms
@@ -300,15 +317,23 @@ def profile_step(run, device, folder: Path, label: str) -> None:
 def kernel_profile_step(run, folder: Path, label: str) -> None:
     """One more step under torch.profiler (E2E_KPROFILE=<folder>): device time per kernel,
     grouped by name, largest first: where the GPU time of a step goes."""
-    from _profile import device_ms_per_kernel
+    from _profile import device_ms_per_kernel, step_timeline
 
     rows = sorted(((ms, key) for key, ms in device_ms_per_kernel(run, warmup=False).items()), reverse=True)
     total = sum(ms for ms, _ in rows)
     lines = [f"device total {total:.1f} ms (kernels, one step)", "ms | share | kernel"]
     lines += [f"{ms:.2f} | {100 * ms / total:.1f}% | {key[:160]}" for ms, key in rows[:45]]
+    # A second step with host activity too: GPU busy time against the kernels' span (the gaps are
+    # waits for the host) and the host calls with the most self time (the profiler's own cost
+    # inflates the host side; the busy/span ratio is what to compare between variants).
+    tl = step_timeline(run)
+    lines += ["", f"timeline: device busy {tl['device_busy_ms']:.1f} ms of a {tl['device_span_ms']:.1f} ms span, "
+              f"{tl['kernels']} kernels", "host self ms | calls | op"]
+    lines += [f"{ms:.2f} | {n} | {key[:140]}" for ms, n, key in tl["host_self_ms"]]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"kprofile_{label}.txt").write_text("\n".join(lines) + "\n")
-    print(f"[kprofile] {label}: device {total:.1f} ms", flush=True)
+    print(f"[kprofile] {label}: device {total:.1f} ms; busy {tl['device_busy_ms']:.1f} of "
+          f"{tl['device_span_ms']:.1f} ms span, {tl['kernels']} kernels", flush=True)
 
 
 # The weights each variant's model is built with (default bf16).
@@ -337,6 +362,15 @@ def patch_ours(base, attention_mode, linear_mode, fuse_activations=True):
 
         patched = patch_linear.patch_linear_model(patched, settings, fuse_activations=fuse_activations)
     return patched
+
+
+def fast_launch_state() -> dict:
+    """Whether the kernels' direct launch is still on (a disagreement anywhere turns it off for
+    the process, and every later call pays Triton's JIT launch) and how many plans it serves."""
+    dl = sys.modules.get("triton_accel_bench.kernels.direct_launch")
+    if dl is None:
+        return {}
+    return {"enabled": bool(dl.ENABLED), "verified_plans": dl.verified_count()}
 
 
 def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False):
@@ -407,7 +441,9 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
               flush=True)
     row = dict(model=name, variant=variant, ms_per_step=ms, rel_l2_vs_default=diff, cosine_vs_default=cos,
                first_call_ms=first_ms, step_ms=list(getattr(time_steps, "last_times", [])),
-               step_gc_ms=[round(g, 2) for g in getattr(time_steps, "last_gc_ms", [])], peak_gib=peak,
+               step_gc_ms=[round(g, 2) for g in getattr(time_steps, "last_gc_ms", [])],
+               step_host_ms=[round(h, 1) for h in getattr(time_steps, "last_host_ms", [])],
+               fast_launch=fast_launch_state(), peak_gib=peak,
                device_used_gib=device_used, finite=bool(torch.isfinite(out).all()),
                calls={kind: f"{c['served']} ours/{c['handed_back']} back" for kind, c in snap.get("kinds", {}).items()},
                paths=snap["paths"], linear_paths=snap.get("kinds", {}).get("linear", {}).get("paths", {}),
@@ -415,8 +451,8 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
                kernel_calls=dict(kernel_stats.counts()), out=out)
     print(f"[{name}] {variant}: {ms:.1f} ms/step (first call {first_ms:.0f} ms), rel L2 {diff:.2e}, "
           f"cos {cos:.6f}, peak {peak:.1f} GiB (device {device_used:.1f} GiB in use), calls {row['calls']} "
-          f"{row['linear_paths']}; steps {[round(t, 1) for t in row['step_ms']]} ms, gc {row['step_gc_ms']} ms",
-          flush=True)
+          f"{row['linear_paths']}; steps {[round(t, 1) for t in row['step_ms']]} ms, host {row['step_host_ms']} ms, "
+          f"gc {row['step_gc_ms']} ms, direct launch {row['fast_launch']}", flush=True)
     del patcher
     return row
 
@@ -459,7 +495,16 @@ def main():
                     help="run under ComfyUI 0.29+'s dynamic VRAM (comfy-aimdo, ModelPatcherDynamic; weights on the "
                          "CPU, streamed per call), as ComfyUI starts by default on NVIDIA; needs CUDA and comfy-aimdo")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "benchmarks" / "results")))
+    ap.add_argument("--fresh-process", action="store_true",
+                    help="run each (model, variant) in its own process, in the order given (repeat variants for "
+                         "an ABBA order): a host-bound step's time then does not depend on what ran before it "
+                         "in the process; the first default's output is the reference of the later ones")
+    ap.add_argument("--ref-file", help=argparse.SUPPRESS)  # --fresh-process: the reference output, shared
     args = ap.parse_args()
+    if args.fresh_process:
+        return fresh_process_main(args)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("triton_accel").setLevel(logging.INFO)
 
     sys.path.insert(0, args.comfyui)
     aimdo = start_aimdo() if args.dynamic_vram else None
@@ -483,6 +528,8 @@ def main():
         spec = specs[name]
         x = t = context = kwargs = None
         ref = None
+        if args.ref_file and os.path.exists(args.ref_file):
+            ref = torch.load(args.ref_file).to(device)
         # Variants grouped by the weights they need: one full-size model in memory at a time.
         for weights in ("bf16", "fp8-fast", "fp8"):
             todo = [v for v in args.variants if WEIGHTS_OF.get(v, "bf16") == weights]
@@ -498,6 +545,8 @@ def main():
                 results.append(row)
                 if ref is None and "out" in row:
                     ref = row["out"]
+                    if args.ref_file:
+                        torch.save(ref.cpu(), args.ref_file)
                 row.pop("out", None)
             if args.benchmark_node and weights == "bf16":
                 run_benchmark_node(name, base, x, context, kwargs, Path(args.out))
@@ -507,15 +556,73 @@ def main():
 
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 triton=pack.kernels.triton_version(), dtype=str(dtype), steps=args.steps, tiny=args.tiny,
-                dynamic_vram=args.dynamic_vram)
+                dynamic_vram=args.dynamic_vram, comfy_kitchen=comfy_kitchen_backends())
+    write_report(args, meta, results)
+
+
+def comfy_kitchen_backends() -> str:
+    """Which comfy-kitchen ComfyUI runs with (its CUDA backend makes the default's RoPE one kernel)."""
+    ck = sys.modules.get("comfy_kitchen")
+    if ck is None:
+        return "not imported"
+    try:
+        names = [name for name, info in ck.list_backends().items()
+                 if info.get("available") and not info.get("disabled")]
+    except Exception:
+        names = []
+    try:
+        from importlib.metadata import version
+
+        ck_version = version("comfy_kitchen")
+    except Exception:
+        ck_version = getattr(ck, "__version__", "?")
+    return f"{ck_version} ({', '.join(names) or 'backends unknown'})"
+
+
+def fresh_process_main(args) -> None:
+    """--fresh-process: each (model, variant) in a child process of this script, one after the
+    other, their rows gathered into one report; ratios use the median of the default's runs."""
+    import subprocess
+    import tempfile
+
+    results, meta = [], {}
+    tmp = Path(tempfile.mkdtemp(prefix="e2e_fresh_"))
+    passthrough = ["--comfyui", args.comfyui, "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) \
+        + (["--dynamic-vram"] if args.dynamic_vram else [])
+    for name in args.models:
+        ref_file = tmp / f"ref_{name}.pt"
+        order = list(args.variants)
+        if "default" in order and order[0] != "default":  # the reference first
+            order.insert(0, "default")
+        for i, variant in enumerate(order):
+            out = tmp / f"{name}_{i}_{variant}"
+            cmd = [sys.executable, __file__, *passthrough, "--models", name, "--variants", variant, "--out", str(out),
+                   "--ref-file", str(ref_file)]
+            print(f"[fresh process] {name} {variant} ({i + 1}/{len(order)})", flush=True)
+            rc = subprocess.run(cmd).returncode
+            report = out / ("e2e_comfyui_dynamic_vram.json" if args.dynamic_vram else "e2e_comfyui.json")
+            if rc != 0 or not report.exists():
+                results.append(dict(model=name, variant=variant, error=f"child process exited with {rc}"))
+                continue
+            child = json.loads(report.read_text())
+            meta = child["meta"]
+            for row in child["results"]:
+                row["run"] = i
+                results.append(row)
+    meta = dict(meta, fresh_process=True)
+    write_report(args, meta, results)
+
+
+def write_report(args, meta: dict, results: list) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / ("e2e_comfyui_dynamic_vram.json" if args.dynamic_vram else "e2e_comfyui.json")).write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     print(f"\n{meta}")
     print(f"{'model':6} {'variant':15} {'ms/step':>9} {'vs default':>10} {'rel L2':>9} {'cosine':>9} "
           f"{'first ms':>9} {'peak GiB':>8}  calls")
     for name in args.models:
-        default = next((r["ms_per_step"] for r in results if r["model"] == name and r["variant"] == "default"
-                        and "ms_per_step" in r), None)
+        defaults = [r["ms_per_step"] for r in results if r["model"] == name and r["variant"] == "default"
+                    and "ms_per_step" in r]
+        default = statistics.median(defaults) if defaults else None
         for r in (r for r in results if r["model"] == name):
             if "error" in r:
                 print(f"{name:6} {r['variant']:15} {'-':>9} {'-':>10} {'-':>9}  {r['error']}")
@@ -524,6 +631,18 @@ def main():
             print(f"{name:6} {r['variant']:15} {r['ms_per_step']:9.1f} {ratio:9.3f}x {r['rel_l2_vs_default']:9.2e}"
                   f" {r['cosine_vs_default']:9.6f} {r['first_call_ms']:9.0f} {r['peak_gib']:8.1f}  {r['calls']} "
                   f"{r.get('kernel_calls', {})}")
+    # A variant run more than once (an ABBA order): the median of its runs' ms/step.
+    for name in args.models:
+        by_variant: dict[str, list] = {}
+        for r in results:
+            if r["model"] == name and "ms_per_step" in r:
+                by_variant.setdefault(r["variant"], []).append(r["ms_per_step"])
+        if any(len(v) > 1 for v in by_variant.values()):
+            default = statistics.median(by_variant.get("default", [float("nan")]))
+            print(f"\n{name}: median ms/step over runs (vs default's median)")
+            for variant, ms in by_variant.items():
+                med = statistics.median(ms)
+                print(f"{name:6} {variant:15} {med:9.1f} {default / med:9.3f}x  runs {[round(m, 1) for m in ms]}")
 
 
 if __name__ == "__main__":

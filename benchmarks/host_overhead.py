@@ -9,7 +9,10 @@ needs ~50 ms, a third of the H200's 130 ms of kernels.
 
 Prints a table of microseconds per call, then cProfile's top functions for the patched
 Linear layer's call (the node path ComfyUI runs) and for the FP8 attention call; writes
-host_overhead.json under --out (default $OUT or .).
+host_overhead.json under --out (default $OUT or .). First it checks that kernels.linear's
+DirectCall (repeating an earlier call's launches) gives the checked path's output bit for bit
+on Flux shapes, with bias, GELU epilogue, fp16/fp32 outputs and an unaligned bias; exit
+code 1 when one does not.
 """
 from __future__ import annotations
 
@@ -61,6 +64,51 @@ def profile_text(fn, calls, top=25):
     return buf.getvalue()
 
 
+# DirectCall agreement cases: (name, leading dims of x, K, N, bias, activation_from or None,
+# out dtype, input dtype). The third call of each signature is served by the DirectCall.
+DIRECT_CASES = [
+    ("tiny, no bias", (1024,), 128, 128, "none", None, torch.bfloat16, torch.bfloat16),
+    ("flux qkv", (1, 4096), 3072, 9216, "plain", None, torch.bfloat16, torch.bfloat16),
+    ("flux mlp up + gelu", (1, 4096), 3072, 12288, "plain", 0, torch.bfloat16, torch.bfloat16),
+    ("fused tail gelu, fp16", (2, 1000), 256, 512, "plain", 384, torch.float16, torch.float16),
+    ("fp32 out", (1500,), 512, 256, "plain", None, torch.float32, torch.bfloat16),
+    ("bias not 16-byte aligned", (1100,), 256, 256, "misaligned", None, torch.bfloat16, torch.bfloat16),
+]
+
+
+def direct_call_agreement(gen) -> list[dict]:
+    """Every DirectCall output equals the checked path's bit for bit (both run the same compiled
+    kernels) and the DirectCall really served (kernels.stats' linear_direct_call)."""
+    L = importlib.import_module(pack.__name__ + ".kernels.linear")
+    results = []
+    for name, lead, k, n, bias_kind, act_from, out_dtype, in_dtype in DIRECT_CASES:
+        x = torch.randn(*lead, k, device="cuda", generator=gen).to(in_dtype)
+        x[..., :3] *= 30.0  # outlier channels
+        w = torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5
+        bias = None
+        if bias_kind != "none":
+            raw = torch.randn(n + 1, device="cuda", generator=gen).to(in_dtype)
+            bias = raw[1:] if bias_kind == "misaligned" else raw[:n].clone()
+        prepared = kernels.prepare_weight(w.to(in_dtype), "fp8_w8a8")
+        kw = dict(activation="gelu_tanh", activation_from=act_from) if act_from is not None else {}
+        kernels.stats.reset()
+        outs = [kernels.linear(x, prepared, bias, out_dtype=out_dtype, **kw) for _ in range(4)]
+        served = kernels.stats.counts().get(L.DIRECT_COUNTER, 0)
+        act = lf.ACTIVATIONS["gelu_tanh"] if act_from is not None else 0
+        checked = lf.run_linear(x.reshape(-1, k), prepared.weight, prepared.scale, bias, 0, out_dtype, act=act,
+                                act_from=act_from or 0).view(*lead, n)
+        torch.cuda.synchronize()
+        same = all(torch.equal(o, checked) for o in outs)
+        ref = x.float() @ w.to(in_dtype).float().T + (bias.float() if bias is not None else 0)
+        if act_from is not None:
+            ref[..., act_from:] = F.gelu(ref[..., act_from:], approximate="tanh")
+        rel = ((outs[-1].float() - ref).norm() / ref.norm()).item()
+        results.append(dict(case=name, direct_served=served, bit_equal=same, rel_l2_vs_fp32=rel,
+                            ok=bool(same and served == 2 and rel <= 0.035)))
+        print(results[-1], flush=True)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=400)
@@ -103,12 +151,28 @@ def main():
         return F.scaled_dot_product_attention(q, k, v)
 
     override(comfy_attention, q, k, v, 24, skip_reshape=True, skip_output_reshape=True)  # auto's timing
+    # The same weight with its DirectCall memo pinned to "checked path always": the before/after.
+    checked = kernels.prepare_weight(w, "fp8_w8a8")
+    kernels.linear(x, checked, b)
+    checked._direct.update({key: False for key in checked._direct})
+    with torch.no_grad():
+        agreement = direct_call_agreement(gen)
+        # The node path (the module's Parameter bias, the fused GELU) takes the DirectCall too.
+        L = importlib.import_module(pack.__name__ + ".kernels.linear")
+        kernels.stats.reset()
+        for _ in range(3):
+            layer(x), fused(x)
+        node_direct = kernels.stats.counts().get(L.DIRECT_COUNTER, 0)
+        agreement.append(dict(case="LinearLayer node path (plain, fused GELU), calls 2-4", direct_served=node_direct,
+                              ok=node_direct >= 4))
+        print(agreement[-1], flush=True)
     paths = {
         "F.linear (cuBLAS)": lambda: F.linear(x, w, b),
         "F.linear + F.gelu": lambda: F.gelu(F.linear(x, w, b), approximate="tanh"),
         "quantize_activation (1 Triton launch)": lambda: lf.quantize_activation(x.view(-1, 128)),
         "fp8_gemm (1 Triton launch, TMA)": lambda: lf.fp8_gemm(xq, xs, fw, b, torch.bfloat16),
         "kernels.linear fp8_w8a8": lambda: kernels.linear(x, prepared, b),
+        "kernels.linear fp8_w8a8, checked path": lambda: kernels.linear(x, checked, b),
         "kernels.linear fp8_w8a8 + gelu epilogue": lambda: kernels.linear(x, prepared, b, activation="gelu_tanh"),
         "LinearLayer (node path)": lambda: layer(x),
         "LinearLayer with fused GELU": lambda: fused(x),
@@ -139,7 +203,7 @@ def main():
 
     call_stats = importlib.import_module(pack.__name__ + ".nodes.call_stats")
     report = dict(call_stats=call_stats.snapshot(), env=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           cpu=os.cpu_count()), rows=rows, profiles=profiles)
+                           cpu=os.cpu_count()), rows=rows, profiles=profiles, direct_call_agreement=agreement)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "host_overhead.json").write_text(json.dumps(report, indent=1))
     for name, text in profiles.items():
@@ -148,6 +212,11 @@ def main():
     print("\nhost time per call (us; tiny tensors, so the GPU waits on the host)")
     for r in rows:
         print(f"{r['path']:45s} {r['us']:8.1f}" if "us" in r else f"{r['path']:45s} {r['error']}")
+    good = sum(r["ok"] for r in agreement)
+    print(f"\nDirectCall agreement (bit-equal to the checked path, served from the 3rd call): "
+          f"{good}/{len(agreement)} ok")
+    if good != len(agreement):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

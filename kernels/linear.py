@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -45,6 +45,8 @@ IMPL_NAME = {m: f"triton_linear_{m}" for m in METHODS}
 PRIORITY = 100
 # kernels.stats counter of launches with an activation in the epilogue (beside the method's own).
 EPILOGUE_COUNTER = "linear_epilogue_activation"
+# kernels.stats counter of calls that repeated an earlier call's launches (linear()'s DirectCall).
+DIRECT_COUNTER = "linear_direct_call"
 
 
 class LinearInputError(ValueError):
@@ -69,6 +71,9 @@ class PreparedLinearWeight:
     weight: torch.Tensor
     scale: torch.Tensor
     rotation: int = 0
+    # Call signature -> the kernels' DirectCall for it (False: the checked path serves it
+    # always); linear()'s memo, never compared, copied or shown.
+    _direct: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.scale.numel() * self.scale.element_size()
@@ -312,6 +317,31 @@ def _dispatch(method: str, x, weight, scale, bias, rotation: int, out_dtype, act
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+# Signatures remembered per prepared weight: a layer sees one or two (cond and uncond batches).
+DIRECT_CALLS_PER_WEIGHT = 8
+
+
+# Tensor types a remembered call may take: plain tensors, and the bias as the nn.Parameter a
+# Linear module holds. Other subclasses (ComfyUI's QuantizedTensor) dispatch their own ops.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _direct_key(x, bias, out_dtype, activation, activation_from) -> tuple | None:
+    if type(x) not in _PLAIN_TENSORS or (bias is not None and type(bias) not in _PLAIN_TENSORS):
+        return None
+    b = None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride(), bias.data_ptr() % 16)
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, out_dtype, activation, activation_from, b)
+
+
+def _direct_call(method: str, x, weight, scale, bias, rotation: int, out_dtype, act: int = 0, act_from: int = 0):
+    """The kernels' DirectCall for a call that linear() just served, or None (checked path always)."""
+    if method != LINEAR_FP8_W8A8 or not x.is_cuda:
+        return None
+    from . import linear_fp8
+
+    return linear_fp8.direct_call(x, weight, scale, bias, out_dtype, act, act_from)
+
+
 def _shared_dispatch(method, x, weight, scale, bias, rotation, out_dtype, act: int = 0, act_from: int = 0):
     # The pack may be imported twice under different names; the ops are registered by the
     # first copy, so every copy dispatches through that one's function.
@@ -344,6 +374,9 @@ def _register_ops() -> None:
     state = stats.shared()
     if getattr(state, "linear_dispatch", None) is None:
         state.linear_dispatch = _dispatch
+        # The direct-launch plans live in the copy whose _dispatch runs the kernels: its
+        # DirectCalls too.
+        state.linear_direct_call = _direct_call
     for method in METHODS:
         if not _op_registered(method):
             _register_op(method)
@@ -360,16 +393,40 @@ def linear(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tensor |
     the GEMM's epilogue to output columns >= activation_from (a fused projection whose tail
     feeds an MLP). Raises LinearInputError for bad inputs and
     BackendUnavailableError (with the reason) where the method cannot run on x's device."""
+    compiling = torch.compiler.is_compiling()
+    key = direct = None
+    if not compiling and type(prepared) is PreparedLinearWeight:
+        # A call with the signature of one served before (same weight, input layout, output
+        # dtype, epilogue, bias layout) needs none of the checks: it repeats that call's launches.
+        key = _direct_key(x, bias, out_dtype, activation, activation_from)
+        direct = prepared._direct.get(key) if key is not None else None
+        if direct:
+            out = direct(x, bias)
+            if out is not None:
+                stats.increment(IMPL_NAME[prepared.method])
+                stats.increment(DIRECT_COUNTER)
+                if activation is not None:
+                    stats.increment(EPILOGUE_COUNTER)
+                return out.view(*x.shape[:-1], prepared.out_features)
     out_dtype = _check_call(x, prepared, bias, out_dtype)
     act = activation_code(activation, activation_from, prepared.out_features)
     args = (prepared.method, x, prepared.weight, prepared.scale, bias, prepared.rotation, out_dtype)
     if act:
         args += (act, int(activation_from))
-    if torch.compiler.is_compiling():
+    if compiling:
         op = getattr(torch.ops.triton_accel, f"linear_{prepared.method}")
         return op(*args[1:])
     # Eager calls skip the dispatcher round trip of the custom op (tens of microseconds).
-    return _shared_dispatch(*args)
+    out = _shared_dispatch(*args)
+    if direct is None and key is not None:
+        memo = prepared._direct
+        if len(memo) >= DIRECT_CALLS_PER_WEIGHT:
+            memo.clear()
+        make = getattr(stats.shared(), "linear_direct_call", None)
+        memo[key] = (make(*args) if make is not None else None) or False
+    return out
+
+
 
 
 def linear_ref(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tensor | None = None,

@@ -434,8 +434,7 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     args = (x2d, y, s, k, x2d.stride(0))
     key = None
     if direct_launch.usable(x2d):
-        # Everything the JIT specialises on: shapes, strides, dtype, the pointers' alignment.
-        key = ("fp8_quant_rows", x2d.device, x2d.dtype, m, k, x2d.stride(0), x2d.data_ptr() % 16)
+        key = _quant_key(x2d.device, x2d.dtype, m, k, x2d.stride(0), x2d.data_ptr() % 16)
         plan = direct_launch.lookup(key)
         if plan is not None:
             direct_launch.launch(plan, x2d.device.index, args)
@@ -448,6 +447,24 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if key is not None:
         direct_launch.record(key, kernel, (m,), tuple(consts[n] for n in _QUANT_CONSTEXPRS), args, out_index=1)
     return y, s
+
+
+def _quant_key(device, dtype, m: int, k: int, stride_m: int, align: int) -> tuple:
+    """Direct-launch key of the activation quantisation: everything the JIT specialises on
+    (shapes, strides, dtype, the input pointer's 16-byte alignment; the outputs are fresh)."""
+    return ("fp8_quant_rows", device, dtype, m, k, stride_m, align)
+
+
+def _gemm_key(device, m: int, n: int, k: int, out_dtype, has_bias: bool, act: int, act_from: int, config,
+              w: Fp8LinearWeight, x_align: int, x_stride: int, x_scale_align: int, bias_align: int,
+              bias_dtype) -> tuple:
+    """Direct-launch key of the GEMM: shapes, dtypes, the epilogue, the config and the
+    pointers' 16-byte alignment (a weight sliced out of a fused one may be unaligned). Without
+    a bias the kernel gets x_scale in its place: bias_align/bias_dtype are then x_scale's."""
+    return ("fp8_gemm", device, m, n, k, out_dtype, has_bias, int(act), act_from,
+            None if config is None else tuple(sorted(config.items())), x_align,
+            w.weight.data_ptr() % 16, x_scale_align, w.scale.data_ptr() % 16,
+            bias_align, bias_dtype, x_stride, w.weight.stride(0))
 
 
 def _subtiled(cfg: dict, fp32_out: bool) -> bool:
@@ -481,10 +498,9 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
     act_from = int(act_from)
     key = None
     if direct_launch.usable(out):
-        key = ("fp8_gemm", device, m, n, k, out_dtype, bias is not None, int(act), act_from,
-               None if config is None else tuple(sorted(config.items())), x_fp8.data_ptr() % 16,
-               w.weight.data_ptr() % 16, x_scale.data_ptr() % 16, w.scale.data_ptr() % 16,
-               bias_arg.data_ptr() % 16, bias_arg.dtype, x_fp8.stride(0), w.weight.stride(0))
+        key = _gemm_key(device, m, n, k, out_dtype, bias is not None, act, act_from, config, w,
+                        x_fp8.data_ptr() % 16, x_fp8.stride(0), x_scale.data_ptr() % 16,
+                        bias_arg.data_ptr() % 16, bias_arg.dtype)
         plan = direct_launch.lookup(key)
         if plan is not None:
             tma, blocks = _gemm_layouts[key]
@@ -522,15 +538,19 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
     return out
 
 
-def _gemm_args(tma: bool, x_fp8, x_scale, w: Fp8LinearWeight, bias_arg, out, blocks, act_from: int) -> tuple:
-    """The GEMM kernels' runtime arguments (constexprs excluded), in signature order."""
+def _gemm_args(tma: bool, x_fp8, x_scale, w: Fp8LinearWeight, bias_arg, out, blocks, act_from: int,
+               w_desc=None) -> tuple:
+    """The GEMM kernels' runtime arguments (constexprs excluded), in signature order. `w_desc`:
+    the weight's TMA descriptor when the caller keeps one (it only changes with the weight)."""
     m, k = x_fp8.shape
     n = out.shape[1]
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         bm, bn, bk, bn_out = blocks
-        return (TensorDescriptor(x_fp8, [m, k], [k, 1], [bm, bk]), TensorDescriptor(w.weight, [n, k], [k, 1], [bn, bk]),
+        if w_desc is None:
+            w_desc = TensorDescriptor(w.weight, [n, k], [k, 1], [bn, bk])
+        return (TensorDescriptor(x_fp8, [m, k], [k, 1], [bm, bk]), w_desc,
                 TensorDescriptor(out, [m, n], [n, 1], [bm, bn_out]), x_scale, w.scale, bias_arg, m, n, k, act_from)
     return (x_fp8, w.weight, out, x_scale, w.scale, bias_arg, m, n, k, x_fp8.stride(0), w.weight.stride(0),
             out.stride(0), act_from)
@@ -578,6 +598,72 @@ def run_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
     _check_device(x2d.device)
     x_fp8, x_scale = quantize_activation(x2d)
     return fp8_gemm(x_fp8, x_scale, Fp8LinearWeight(weight, scale), bias, out_dtype, act=act, act_from=act_from)
+
+
+class DirectCall:
+    """One Linear call signature's two launches (activation quantisation, GEMM), repeated.
+
+    Made after a call of that signature ran through fp8_linear's checked path; from then on a
+    call with the same input layout, output dtype, epilogue and bias layout (the caller's key)
+    allocates the three outputs and launches both kernels from their verified direct-launch
+    plans, keeping the weight's TMA descriptor: about half the host time of the checked path.
+    Returns None, and the caller takes the checked path, while a plan is not verified yet (the
+    JIT launch verifies it on the second call) or direct launches are off."""
+
+    __slots__ = ("quant_key", "gemm_key", "tma", "blocks", "w", "m", "n", "k", "out_dtype", "act_from",
+                 "device", "device_index", "bias_align", "w_desc")
+
+    def __init__(self, quant_key, gemm_key, tma, blocks, w: Fp8LinearWeight, m, n, k, out_dtype, act_from,
+                 device, bias_align):
+        self.quant_key, self.gemm_key, self.tma, self.blocks = quant_key, gemm_key, tma, blocks
+        self.w, self.m, self.n, self.k, self.out_dtype, self.act_from = w, m, n, k, out_dtype, act_from
+        self.device, self.device_index, self.bias_align = device, device.index or 0, bias_align
+        self.w_desc = None
+        if tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            self.w_desc = TensorDescriptor(w.weight, [n, k], [k, 1], [blocks[1], blocks[2]])
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None):
+        quant, gemm = direct_launch.lookup(self.quant_key), direct_launch.lookup(self.gemm_key)
+        if (quant is None or gemm is None or not direct_launch.usable(x)
+                or torch.cuda.current_device() != self.device_index
+                or (bias is not None and bias.data_ptr() % 16 != self.bias_align)):
+            return None
+        m, n, k, device = self.m, self.n, self.k, self.device
+        x2d = x.view(m, k)
+        y = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device)
+        s = torch.empty((m,), dtype=torch.float32, device=device)
+        out = torch.empty((m, n), dtype=self.out_dtype, device=device)
+        direct_launch.launch(quant, self.device_index, (x2d, y, s, k, k))
+        direct_launch.launch(gemm, self.device_index, _gemm_args(self.tma, y, s, self.w, s if bias is None else bias,
+                                                                 out, self.blocks, self.act_from, self.w_desc))
+        return out
+
+
+def direct_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype, act: int = 0, act_from: int = 0) -> DirectCall | None:
+    """A DirectCall for calls like this one (x [..., K] contiguous, on CUDA) after it ran through
+    the checked path, or None where that path must always serve it: direct launches off,
+    another layout, no rows, a GEMM the checked path launched without a direct-launch key."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if (not direct_launch.usable(x) or m == 0 or not x.is_contiguous()
+            or (bias is not None and not bias.is_contiguous())):
+        return None
+    w = Fp8LinearWeight(weight, scale)
+    n, device = w.out_features, x.device
+    bias_align = bias.data_ptr() % 16 if bias is not None else 0
+    # The quantised activation, its scales and the output are fresh tensors from the caching
+    # allocator (512-byte aligned): alignment 0, as in the keys the checked path recorded.
+    quant_key = _quant_key(device, x.dtype, m, k, k, x.data_ptr() % 16)
+    gemm_key = _gemm_key(device, m, n, k, out_dtype, bias is not None, act, int(act_from), None, w, 0, k, 0,
+                         bias_align, bias.dtype if bias is not None else torch.float32)
+    layout = _gemm_layouts.get(gemm_key)
+    if layout is None:
+        return None
+    tma, blocks = layout
+    return DirectCall(quant_key, gemm_key, tma, blocks, w, m, n, k, out_dtype, int(act_from), device, bias_align)
 
 
 # The kernels' constexpr names in signature order: a direct launch appends their values.

@@ -435,8 +435,9 @@ class LinearLayer:
 
     def bias_for(self, x: torch.Tensor):
         bias = self.module.bias
-        # ComfyUI casts the bias to the input's dtype (cast_bias_weight's bias_dtype) too.
-        return None if bias is None else bias.to(x.dtype)
+        # ComfyUI casts the bias to the input's dtype (cast_bias_weight's bias_dtype) too; the
+        # same dtype skips the dispatcher (host time on every served call).
+        return bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
 
     def check_call(self, x, min_tokens: int, streamed: bool = False, ours: bool = True) -> None:
         """HandBack unless this call's input and weights are ours to serve (cheap checks only).

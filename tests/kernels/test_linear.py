@@ -310,3 +310,155 @@ def test_public_names():
     assert kernels.linear_refusal("fp8_w8a8", "cpu") is None  # the interpreter is on in tests
     for method in METHODS:
         assert hasattr(torch.ops.triton_accel, f"linear_{method}")
+
+
+# ---- linear()'s DirectCall memo (the launches themselves are checked on the GPU:
+# benchmarks/host_overhead.py compares every DirectCall output with the checked path's, bit for bit)
+
+class _FakeDirect:
+    """Stands for linear_fp8.DirectCall: returns `result` (None: "not verified yet")."""
+
+    def __init__(self, result):
+        self.result, self.calls = result, 0
+
+    def __call__(self, x, bias):
+        self.calls += 1
+        return self.result
+
+
+def _direct_case(gen_seed=21, lead=(3, 5), k=64, n=32):
+    gen = torch.Generator().manual_seed(gen_seed)
+    x, w = activations(lead, k, torch.bfloat16, gen), weights(n, k, gen)
+    return x, kernels.prepare_weight(w, "fp8_w8a8")
+
+
+def test_direct_memo_on_the_cpu_keeps_the_checked_path():
+    """The interpreter has no direct launches: the signature is remembered as 'checked path
+    always' (False) after the first call, and every call runs (and counts) the checked path."""
+    x, prepared = _direct_case()
+    kernels.stats.reset()
+    first = kernels.linear(x, prepared)
+    assert list(prepared._direct.values()) == [False]
+    second = kernels.linear(x, prepared)
+    assert torch.equal(first, second)
+    assert kernels.stats.counts() == {"triton_linear_fp8_w8a8": 2}
+
+
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_direct_memo_serves_the_remembered_signature_and_counts_it(activation):
+    x, prepared = _direct_case()
+    kw = dict(activation=activation, activation_from=8) if activation else {}
+    key = L._direct_key(x, None, None, activation, 8 if activation else 0)
+    made = torch.arange(15 * 32, dtype=torch.bfloat16).reshape(15, 32)
+    fake = prepared._direct[key] = _FakeDirect(made)
+    kernels.stats.reset()
+    out = kernels.linear(x, prepared, **kw)
+    assert fake.calls == 1 and torch.equal(out, made.view(3, 5, 32))  # the DirectCall's output, reshaped
+    expected = {"triton_linear_fp8_w8a8": 1, L.DIRECT_COUNTER: 1}
+    if activation:
+        expected[L.EPILOGUE_COUNTER] = 1
+    assert kernels.stats.counts() == expected
+
+
+def test_direct_memo_takes_a_modules_parameter_bias():
+    """A Linear module's bias is an nn.Parameter (the node passes it as it is): such calls are
+    remembered like plain-tensor ones; a tensor subclass is not."""
+    x, prepared = _direct_case()
+    bias = torch.nn.Parameter(torch.randn(32).to(torch.bfloat16), requires_grad=False)
+    assert L._direct_key(x, bias, None, None, 0) is not None
+    assert L._direct_key(torch.nn.Parameter(x, requires_grad=False), None, None, None, 0) is not None
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert L._direct_key(x.as_subclass(Sub), None, None, None, 0) is None
+    made = torch.ones(15, 32, dtype=torch.bfloat16)
+    fake = prepared._direct[L._direct_key(x, bias, None, None, 0)] = _FakeDirect(made)
+    assert torch.equal(kernels.linear(x, prepared, bias), made.view(3, 5, 32)) and fake.calls == 1
+
+
+def test_direct_memo_falls_back_when_the_direct_call_declines():
+    """A DirectCall whose plans are not verified yet returns None: the checked path serves the
+    call, and the memo keeps the DirectCall for the next one."""
+    x, prepared = _direct_case()
+    key = L._direct_key(x, None, None, None, 0)
+    fake = prepared._direct[key] = _FakeDirect(None)
+    kernels.stats.reset()
+    out = kernels.linear(x, prepared)
+    assert fake.calls == 1 and prepared._direct[key] is fake
+    assert torch.equal(out, kernels.linear(torch.clone(x), prepared))
+    assert kernels.stats.counts().get(L.DIRECT_COUNTER, 0) == 0
+
+
+@pytest.mark.parametrize("change", ["out_dtype", "bias", "activation", "activation_from", "dtype", "tokens",
+                                    "strided", "misaligned"])
+def test_direct_memo_is_not_used_for_another_signature(change):
+    x, prepared = _direct_case()
+    fake = prepared._direct[L._direct_key(x, None, None, None, 0)] = _FakeDirect(torch.zeros(15, 32))
+    kw = {}
+    if change == "out_dtype":
+        kw["out_dtype"] = torch.float32
+    elif change == "bias":
+        kw["bias"] = torch.randn(32)
+    elif change == "activation":
+        kw = dict(activation="gelu_tanh", activation_from=0)
+    elif change == "activation_from":
+        kw = dict(activation=None, activation_from=4)
+    elif change == "dtype":
+        x = x.half()
+    elif change == "tokens":
+        x = x[:2]
+    elif change == "strided":
+        x = torch.cat([x, x], dim=-1)[..., :64]
+    elif change == "misaligned":
+        x = torch.cat([torch.zeros(1, dtype=x.dtype), x.flatten()])[1:].view(3, 5, 64)
+    out = kernels.linear(x, prepared, **kw)
+    assert fake.calls == 0
+    assert out.abs().sum() > 0  # the checked path's result, not the fake's zeros
+
+
+def test_direct_memo_is_bounded_and_never_shared_by_a_moved_copy():
+    x, prepared = _direct_case()
+    for i in range(L.DIRECT_CALLS_PER_WEIGHT + 3):
+        kernels.linear(x.reshape(-1, 64)[: 1 + i], prepared)
+    assert 0 < len(prepared._direct) <= L.DIRECT_CALLS_PER_WEIGHT
+    moved = prepared.to("cpu")
+    assert moved._direct == {} and moved._direct is not prepared._direct
+    assert moved == prepared  # the memo takes no part in comparisons
+
+
+def test_direct_call_keys_are_the_checked_paths_keys(monkeypatch):
+    """linear_fp8.direct_call rebuilds the direct-launch keys that quantize_activation and
+    fp8_gemm record; a key that drifted would leave every call on the checked path (or, worse,
+    pick another call's plan). Recorded on the CPU with the launches' key bookkeeping forced on."""
+    lf = importlib.import_module("triton_accel.kernels.linear_fp8")
+    recorded = []
+
+    def spy(make):
+        def keyed(*args):
+            recorded.append(make(*args))
+            return recorded[-1]
+        return keyed
+
+    # The interpreter's launches return no compiled kernel, so nothing is recorded as a plan:
+    # the keys are taken where both paths build them.
+    monkeypatch.setattr(lf.direct_launch, "usable", lambda t: True)
+    monkeypatch.setattr(lf.direct_launch, "lookup", lambda key: None)
+    monkeypatch.setattr(lf, "_quant_key", spy(lf._quant_key))
+    monkeypatch.setattr(lf, "_gemm_key", spy(lf._gemm_key))
+    gen = torch.Generator().manual_seed(5)
+    for bias, act, out_dtype in ((None, 0, torch.bfloat16), (torch.randn(48, generator=gen).to(torch.bfloat16), 1,
+                                                            torch.bfloat16), (None, 1, torch.float32)):
+        x, w = activations((2, 9), 64, torch.bfloat16, gen), weights(48, 64, gen)
+        prepared = kernels.prepare_weight(w, "fp8_w8a8")
+        recorded.clear()
+        lf.run_linear(x.reshape(-1, 64), prepared.weight, prepared.scale, bias, 0, out_dtype, act=act, act_from=16)
+        quant_key, gemm_key = recorded
+        assert quant_key[0] == "fp8_quant_rows" and gemm_key[0] == "fp8_gemm"
+        monkeypatch.setitem(lf._gemm_layouts, gemm_key, (False, None))
+        direct = lf.direct_call(x, prepared.weight, prepared.scale, bias, out_dtype, act, 16)
+        assert direct is not None
+        assert (direct.quant_key, direct.gemm_key) == (quant_key, gemm_key)
+    # Layouts the checked path would copy first get no DirectCall.
+    assert lf.direct_call(x.transpose(0, 1), prepared.weight, prepared.scale, None, torch.bfloat16) is None
+    assert lf.direct_call(x[:0], prepared.weight, prepared.scale, None, torch.bfloat16) is None

@@ -17,6 +17,7 @@ bf16) is far below the quantisation error, so the bounds are the same.
 from __future__ import annotations
 
 import gc
+import importlib
 import uuid
 import warnings
 
@@ -363,6 +364,40 @@ def test_served_layer_matches_linear(mode, dtype, shape):
     assert first.dtype == dtype and first.shape == (*shape[:-1], 48)
     assert torch.equal(first, second)
     assert _rel_l2(second, ref) < LAYER_TOL[mode]
+
+
+def test_served_layer_repeats_a_remembered_call_until_the_weight_changes():
+    """kernels.linear remembers a served call's signature (its DirectCall, real on CUDA) on the
+    prepared weight: the layer's calls must give it the same key every time (the module's
+    Parameter bias included), and a changed weight (a new prepared weight) must not reuse it."""
+    klinear = importlib.import_module("triton_accel.kernels.linear")
+
+    class Remembered:
+        def __init__(self, out):
+            self.out, self.calls = out, 0
+
+        def __call__(self, x, bias):
+            self.calls += 1
+            return self.out
+
+    layer, calls = _layer(settings=FORCED["fp8"])
+    module = layer.module.to(torch.bfloat16)
+    x = torch.randn(2, 8, 32).to(torch.bfloat16)
+    layer(x), layer(x)  # the guard's call, then a served one
+    prepared = layer.entries[str(x.device)].prepared
+    key = klinear._direct_key(x, layer.bias_for(x), x.dtype, None, 0)
+    assert list(prepared._direct) == [key]  # one signature, the layer's
+    made = torch.full((16, 48), 7.0, dtype=torch.bfloat16)
+    fake = prepared._direct[key] = Remembered(made)
+    call_stats.reset()
+    kernels.stats.reset()
+    assert torch.equal(layer(x), made.view(2, 8, 48)) and fake.calls == 1
+    assert _linear_stats()["served"] == 1 and kernels.stats.counts()[klinear.DIRECT_COUNTER] == 1
+    with torch.no_grad():
+        module.weight.mul_(2.0)  # a new weight version: prepared again, nothing remembered
+    out = layer(x)
+    assert fake.calls == 1 and not torch.equal(out, made.view(2, 8, 48))
+    assert layer.entries[str(x.device)].prepared is not prepared
 
 
 def test_forced_fp8_model_matches_unpatched_and_input_model_untouched():
