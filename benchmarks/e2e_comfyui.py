@@ -21,6 +21,8 @@ with:
                fp8_e4m3fn, ComfyUI upcasting per call): our Linear uses the FP8 weights as-is
   ours-linear-unfused / ours-all-unfused  ours-linear / ours-all with every GELU left to
                ComfyUI (none in our GEMM epilogue): the fusion's before/after in one run
+  ours-linear-copy / ours-all-copy  ours-linear / ours-all with Flux's single-block GELU fused
+               too, through the GEMM's contiguous copy (patch_linear_model copy_activations)
 and reports each variant's ms/step, its ratio to the default, the relative L2 difference and
 cosine of its output against the default's, the first call's time (auto's timing and the
 weight quantisation happen there) and the peak GPU memory.
@@ -342,12 +344,15 @@ WEIGHTS_OF = {"comfy-fp8-fast": "fp8-fast", "ours-fp8ckpt": "fp8"}
 OURS = {"ours-auto": ("auto", None), "ours-triton": ("fp16", None), "ours-fp8": ("fp8", None),
         "ours-int8": ("int8", None), "ours-linear": (None, "auto"), "ours-linear-fp8": (None, "fp8"),
         "ours-all": ("auto", "auto"), "ours-all-fp8": ("fp8", "fp8"), "ours-fp8ckpt": ("auto", "auto"),
-        "ours-linear-unfused": (None, "auto"), "ours-all-unfused": ("auto", "auto")}
+        "ours-linear-unfused": (None, "auto"), "ours-all-unfused": ("auto", "auto"),
+        "ours-linear-copy": (None, "auto"), "ours-all-copy": ("auto", "auto")}
 # Variants whose Linear patch leaves every GELU to ComfyUI (the epilogue fusion's before/after).
 UNFUSED = {"ours-linear-unfused", "ours-all-unfused"}
+# Variants that also fuse Flux's single-block GELU with its contiguous copy (copy_activations).
+COPIED = {"ours-linear-copy", "ours-all-copy"}
 
 
-def patch_ours(base, attention_mode, linear_mode, fuse_activations=True):
+def patch_ours(base, attention_mode, linear_mode, fuse_activations=True, copy_activations=False):
     """The clone the pack's nodes would hand to the sampler for these settings."""
     from triton_accel_bench.nodes.settings import AccelSettings
 
@@ -360,7 +365,8 @@ def patch_ours(base, attention_mode, linear_mode, fuse_activations=True):
     if linear_mode is not None:
         from triton_accel_bench.nodes import patch_linear
 
-        patched = patch_linear.patch_linear_model(patched, settings, fuse_activations=fuse_activations)
+        patched = patch_linear.patch_linear_model(patched, settings, fuse_activations=fuse_activations,
+                                                  copy_activations=copy_activations)
     return patched
 
 
@@ -393,7 +399,8 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
         patcher.model_options["transformer_options"]["optimized_attention_override"] = override
     elif variant in OURS:
         try:
-            patcher = patch_ours(base, *OURS[variant], fuse_activations=variant not in UNFUSED)
+            patcher = patch_ours(base, *OURS[variant], fuse_activations=variant not in UNFUSED,
+                                 copy_activations=variant in COPIED)
         except Exception as e:
             return dict(model=name, variant=variant, error=f"patch failed: {type(e).__name__}: {e}"[:300])
     elif variant not in ("default", "comfy-fp8-fast"):

@@ -73,6 +73,10 @@ DIRECT_CASES = [
     ("fused tail gelu, fp16", (2, 1000), 256, 512, "plain", 384, torch.float16, torch.float16),
     ("fp32 out", (1500,), 512, 256, "plain", None, torch.float32, torch.bfloat16),
     ("bias not 16-byte aligned", (1100,), 256, 256, "misaligned", None, torch.bfloat16, torch.bfloat16),
+    # activation_out (Flux's single blocks): the TMA kernel's tile-aligned copy, and the pointer
+    # kernel's (a first column off the tile grid).
+    ("flux single linear1 + copy", (1, 4608), 3072, 21504, "plain", 9216, torch.bfloat16, torch.bfloat16, True),
+    ("copy from a mid-tile column", (1000,), 512, 640, "plain", 320, torch.bfloat16, torch.bfloat16, True),
 ]
 
 
@@ -81,7 +85,7 @@ def direct_call_agreement(gen) -> list[dict]:
     kernels) and the DirectCall really served (kernels.stats' linear_direct_call)."""
     L = importlib.import_module(pack.__name__ + ".kernels.linear")
     results = []
-    for name, lead, k, n, bias_kind, act_from, out_dtype, in_dtype in DIRECT_CASES:
+    for name, lead, k, n, bias_kind, act_from, out_dtype, in_dtype, *copy in DIRECT_CASES:
         x = torch.randn(*lead, k, device="cuda", generator=gen).to(in_dtype)
         x[..., :3] *= 30.0  # outlier channels
         w = torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5
@@ -92,13 +96,19 @@ def direct_call_agreement(gen) -> list[dict]:
         prepared = kernels.prepare_weight(w.to(in_dtype), "fp8_w8a8")
         kw = dict(activation="gelu_tanh", activation_from=act_from) if act_from is not None else {}
         kernels.stats.reset()
-        outs = [kernels.linear(x, prepared, bias, out_dtype=out_dtype, **kw) for _ in range(4)]
+        outs, copies = [], []
+        for _ in range(4):
+            if copy:
+                copies.append(torch.empty((*lead, n - act_from), dtype=out_dtype, device="cuda"))
+                kw["activation_out"] = copies[-1]
+            outs.append(kernels.linear(x, prepared, bias, out_dtype=out_dtype, **kw))
         served = kernels.stats.counts().get(L.DIRECT_COUNTER, 0)
         act = lf.ACTIVATIONS["gelu_tanh"] if act_from is not None else 0
         checked = lf.run_linear(x.reshape(-1, k), prepared.weight, prepared.scale, bias, 0, out_dtype, act=act,
                                 act_from=act_from or 0).view(*lead, n)
         torch.cuda.synchronize()
         same = all(torch.equal(o, checked) for o in outs)
+        same = same and all(torch.equal(c, o[..., act_from:]) for c, o in zip(copies, outs))
         ref = x.float() @ w.to(in_dtype).float().T + (bias.float() if bias is not None else 0)
         if act_from is not None:
             ref[..., act_from:] = F.gelu(ref[..., act_from:], approximate="tanh")
@@ -213,7 +223,8 @@ def main():
     for r in rows:
         print(f"{r['path']:45s} {r['us']:8.1f}" if "us" in r else f"{r['path']:45s} {r['error']}")
     good = sum(r["ok"] for r in agreement)
-    print(f"\nDirectCall agreement (bit-equal to the checked path, served from the 3rd call): "
+    print(f"\nDirectCall agreement (bit-equal to the checked path and copies to their columns, served from "
+          f"the 3rd call): "
           f"{good}/{len(agreement)} ok")
     if good != len(agreement):
         sys.exit(1)

@@ -280,6 +280,28 @@ def run_gelu(name, m, k, n, first, gen, log):
     res["cublas_then_gelu_ms"] = bench(lambda: F.gelu(F.linear(x, w, b)[:, first:], approximate="tanh"))
     res["gelu_pass_ms"] = bench(lambda y=F.linear(x, w, b): F.gelu(y[:, first:], approximate="tanh"))
     res["ours_plain_ms"] = bench(lambda: lf.fp8_linear(x, fw, b))
+    if first:
+        # Flux's single block: the activated columns go into torch.cat((attn, mlp)) beside the
+        # attention output ([M, K]). In place, the cat reads a strided slice (its slow kernel);
+        # with the contiguous copy (activation_out) it reads a plain tensor.
+        attn = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+
+        def fused_copy():
+            q, s = lf.quantize_activation(x)
+            copy = torch.empty((m, n - first), dtype=torch.bfloat16, device="cuda")
+            y = lf.fp8_gemm(q, s, fw, b, torch.bfloat16, act=act, act_from=first, act_out=copy)
+            return y, copy
+
+        y, copy = fused_copy()
+        res["copy_equals_activated_columns"] = bool(torch.equal(copy, y[:, first:]))
+        res["copy_equals_in_place_fused"] = bool(torch.equal(y, fused()))
+        res["fused_copy_ms"] = bench(fused_copy)
+        res["fused_copy_then_cat_ms"] = bench(lambda: torch.cat((attn, fused_copy()[1]), 1))
+        res["fused_in_place_then_cat_ms"] = bench(lambda: torch.cat((attn, fused()[:, first:]), 1))
+        res["ours_gelu_pass_then_cat_ms"] = bench(
+            lambda: torch.cat((attn, F.gelu(lf.fp8_linear(x, fw, b)[:, first:], approximate="tanh")), 1))
+        res["cublas_gelu_pass_then_cat_ms"] = bench(
+            lambda: torch.cat((attn, F.gelu(F.linear(x, w, b)[:, first:], approximate="tanh")), 1))
     log(f"  gelu {res}")
     return res
 

@@ -140,9 +140,10 @@ def _method_module(method: str):
     return mod
 
 
-def _run_method(method: str, x2d, weight, scale, bias, rotation: int, out_dtype, act: int = 0, act_from: int = 0):
+def _run_method(method: str, x2d, weight, scale, bias, rotation: int, out_dtype, act: int = 0, act_from: int = 0,
+                **act_out):
     return _method_module(method).run_linear(x2d, weight, scale, bias, rotation, out_dtype, act=act,
-                                             act_from=act_from)
+                                             act_from=act_from, **act_out)
 
 
 def _register_implementations() -> None:
@@ -294,7 +295,8 @@ _decisions: dict = {}
 cache_registry.register("kernels.linear.decisions", _decisions.clear)
 
 
-def _dispatch(method: str, x, weight, scale, bias, rotation: int, out_dtype, act: int = 0, act_from: int = 0):
+def _dispatch(method: str, x, weight, scale, bias, rotation: int, out_dtype, act: int = 0, act_from: int = 0,
+              act_out=None):
     key = (x.device, x.dtype, method, False if x.is_cuda else _device.interpreter_enabled())
     impl = _decisions.get(key)
     if impl is None:
@@ -309,6 +311,8 @@ def _dispatch(method: str, x, weight, scale, bias, rotation: int, out_dtype, act
         x2d = x2d.contiguous()
     b = bias.contiguous() if bias is not None else None
     act_kw = dict(act=act, act_from=act_from) if act else {}
+    if act_out is not None:
+        act_kw["act_out"] = act_out.view(x2d.shape[0], act_out.shape[-1])
     if x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # Triton launches on the current device
             out = impl.fn(x2d, weight, scale, b, rotation, out_dtype, **act_kw)
@@ -326,26 +330,33 @@ DIRECT_CALLS_PER_WEIGHT = 8
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _direct_key(x, bias, out_dtype, activation, activation_from) -> tuple | None:
-    if type(x) not in _PLAIN_TENSORS or (bias is not None and type(bias) not in _PLAIN_TENSORS):
+def _direct_key(x, bias, out_dtype, activation, activation_from, activation_out=None) -> tuple | None:
+    if (type(x) not in _PLAIN_TENSORS or (bias is not None and type(bias) not in _PLAIN_TENSORS)
+            or (activation_out is not None and type(activation_out) not in _PLAIN_TENSORS)):
         return None
     b = None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride(), bias.data_ptr() % 16)
-    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, out_dtype, activation, activation_from, b)
+    a = None if activation_out is None else (activation_out.shape, activation_out.dtype, activation_out.device,
+                                             activation_out.stride())
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, out_dtype, activation, activation_from, b, a)
 
 
-def _direct_call(method: str, x, weight, scale, bias, rotation: int, out_dtype, act: int = 0, act_from: int = 0):
+def _direct_call(method: str, x, weight, scale, bias, rotation: int, out_dtype, act: int = 0, act_from: int = 0,
+                 act_out=None):
     """The kernels' DirectCall for a call that linear() just served, or None (checked path always)."""
     if method != LINEAR_FP8_W8A8 or not x.is_cuda:
         return None
     from . import linear_fp8
 
-    return linear_fp8.direct_call(x, weight, scale, bias, out_dtype, act, act_from)
+    return linear_fp8.direct_call(x, weight, scale, bias, out_dtype, act, act_from, act_out)
 
 
-def _shared_dispatch(method, x, weight, scale, bias, rotation, out_dtype, act: int = 0, act_from: int = 0):
+def _shared_dispatch(method, x, weight, scale, bias, rotation, out_dtype, act: int = 0, act_from: int = 0,
+                     act_out=None):
     # The pack may be imported twice under different names; the ops are registered by the
     # first copy, so every copy dispatches through that one's function.
     dispatch = stats.shared().linear_dispatch
+    if act_out is not None:
+        return dispatch(method, x, weight, scale, bias, rotation, out_dtype, act, act_from, act_out=act_out)
     if act:
         return dispatch(method, x, weight, scale, bias, rotation, out_dtype, act, act_from)
     return dispatch(method, x, weight, scale, bias, rotation, out_dtype)
@@ -387,21 +398,25 @@ _register_ops()
 
 def linear(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, activation: str | None = None,
-           activation_from: int = 0) -> torch.Tensor:
+           activation_from: int = 0, activation_out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T + bias for x [..., K] with a weight from prepare_weight: [..., N] in out_dtype
     (default x's dtype). `activation` ("gelu_tanh": nn.GELU(approximate="tanh")) is applied in
     the GEMM's epilogue to output columns >= activation_from (a fused projection whose tail
-    feeds an MLP). Raises LinearInputError for bad inputs and
+    feeds an MLP). `activation_out` (methods in ACTIVATION_OUT_METHODS, eager calls): a
+    contiguous [..., N - activation_from] tensor of the output dtype that receives a copy of
+    the activated columns, for a consumer that needs them contiguous (a torch.cat); the output
+    keeps them too. Raises LinearInputError for bad inputs and
     BackendUnavailableError (with the reason) where the method cannot run on x's device."""
     compiling = torch.compiler.is_compiling()
     key = direct = None
     if not compiling and type(prepared) is PreparedLinearWeight:
         # A call with the signature of one served before (same weight, input layout, output
-        # dtype, epilogue, bias layout) needs none of the checks: it repeats that call's launches.
-        key = _direct_key(x, bias, out_dtype, activation, activation_from)
+        # dtype, epilogue, bias and copy layouts) needs none of the checks: it repeats that
+        # call's launches.
+        key = _direct_key(x, bias, out_dtype, activation, activation_from, activation_out)
         direct = prepared._direct.get(key) if key is not None else None
         if direct:
-            out = direct(x, bias)
+            out = direct(x, bias, activation_out)
             if out is not None:
                 stats.increment(IMPL_NAME[prepared.method])
                 stats.increment(DIRECT_COUNTER)
@@ -410,6 +425,8 @@ def linear(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tensor |
                 return out.view(*x.shape[:-1], prepared.out_features)
     out_dtype = _check_call(x, prepared, bias, out_dtype)
     act = activation_code(activation, activation_from, prepared.out_features)
+    if activation_out is not None:
+        _check_activation_out(x, prepared, act, int(activation_from), activation_out, out_dtype, compiling)
     args = (prepared.method, x, prepared.weight, prepared.scale, bias, prepared.rotation, out_dtype)
     if act:
         args += (act, int(activation_from))
@@ -417,14 +434,35 @@ def linear(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tensor |
         op = getattr(torch.ops.triton_accel, f"linear_{prepared.method}")
         return op(*args[1:])
     # Eager calls skip the dispatcher round trip of the custom op (tens of microseconds).
-    out = _shared_dispatch(*args)
+    extra = {} if activation_out is None else {"act_out": activation_out}
+    out = _shared_dispatch(*args, **extra)
     if direct is None and key is not None:
         memo = prepared._direct
         if len(memo) >= DIRECT_CALLS_PER_WEIGHT:
             memo.clear()
         make = getattr(stats.shared(), "linear_direct_call", None)
-        memo[key] = (make(*args) if make is not None else None) or False
+        memo[key] = (make(*args, **extra) if make is not None else None) or False
     return out
+
+
+# Methods whose kernels can write activation_out (the FP8 W8A8 kernels' SPLIT_ACT epilogue).
+ACTIVATION_OUT_METHODS = (LINEAR_FP8_W8A8,)
+
+
+def _check_activation_out(x, prepared, act: int, first: int, act_out, out_dtype, compiling: bool) -> None:
+    if prepared.method not in ACTIVATION_OUT_METHODS:
+        raise LinearInputError(f"activation_out: only {', '.join(ACTIVATION_OUT_METHODS)} writes the activated "
+                               f"copy; {prepared.method} writes one output")
+    if compiling:
+        raise LinearInputError("activation_out is written in place: not traceable by torch.compile")
+    if not act:
+        raise LinearInputError("activation_out needs an activation")
+    want = (*x.shape[:-1], prepared.out_features - first)
+    if not isinstance(act_out, torch.Tensor) or tuple(act_out.shape) != want:
+        got = tuple(act_out.shape) if isinstance(act_out, torch.Tensor) else type(act_out).__name__
+        raise LinearInputError(f"activation_out must have shape {want}; got {got}")
+    if act_out.dtype != out_dtype or act_out.device != x.device or not act_out.is_contiguous():
+        raise LinearInputError(f"activation_out must be a contiguous {out_dtype} tensor on {x.device}")
 
 
 
@@ -446,5 +484,5 @@ def linear_ref(x: torch.Tensor, prepared: PreparedLinearWeight, bias: torch.Tens
     return y
 
 
-__all__ = ["METHODS", "LinearInputError", "PreparedLinearWeight", "LinearCall", "LinearConstraints",
+__all__ = ["METHODS", "ACTIVATION_OUT_METHODS", "LinearInputError", "PreparedLinearWeight", "LinearCall", "LinearConstraints",
            "prepare_weight", "prepare_weight_per_call", "linear", "linear_refusal", "linear_ref", "activation_code", "BackendUnavailableError", "OP"]

@@ -288,6 +288,14 @@ if triton is not None:
         tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
+    def _store_activated_copy(S, out, rm, rn, M, N, stride_sm, ACT_FROM):
+        # The activated columns (>= ACT_FROM) once more, into S: a contiguous [M, N - ACT_FROM]
+        # tensor whose column 0 is ACT_FROM (SPLIT_ACT).
+        s_ptrs = S + rm.to(tl.int64)[:, None] * stride_sm + (rn - ACT_FROM)[None, :]
+        tl.store(s_ptrs, out.to(S.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] >= ACT_FROM) & (rn[None, :] < N))
+
+    @triton.jit
     def _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS: tl.constexpr):
         # Dequantise: row (token) scale x column (channel) scale, then the bias, in fp32.
         sa = tl.load(SA + rm, mask=rm < M, other=0.0)
@@ -320,10 +328,10 @@ if triton is not None:
 
     @triton.jit
     def _fp8_linear_tma(
-        a_desc, b_desc, c_desc, SA, SB, BIAS, M, N, K, ACT_FROM,
+        a_desc, b_desc, c_desc, s_desc, SA, SB, BIAS, M, N, K, ACT_FROM,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-        EPILOGUE_SUBTILE: tl.constexpr, ACT: tl.constexpr,
+        EPILOGUE_SUBTILE: tl.constexpr, ACT: tl.constexpr, SPLIT_ACT: tl.constexpr,
     ):
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -355,14 +363,24 @@ if triton is not None:
                 left, right = tl.split(halves)
                 c_desc.store([off_m, off_n], left)  # TMA clips partial tiles
                 c_desc.store([off_m, off_n + BLOCK_N // 2], right)
+                if SPLIT_ACT:
+                    # ACT_FROM is a multiple of BLOCK_N here (the launcher's rule): a tile is
+                    # activated whole or not at all.
+                    if off_n >= ACT_FROM:
+                        s_desc.store([off_m, off_n - ACT_FROM], left)
+                        s_desc.store([off_m, off_n - ACT_FROM + BLOCK_N // 2], right)
             else:
                 c_desc.store([off_m, off_n], out)  # TMA clips the partial tile
+                if SPLIT_ACT:
+                    if off_n >= ACT_FROM:
+                        s_desc.store([off_m, off_n - ACT_FROM], out)
 
     @triton.jit
     def _fp8_linear_ptr(
-        A, B, C, SA, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm, ACT_FROM,
+        A, B, C, S, SA, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm, stride_sm, ACT_FROM,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
+        SPLIT_ACT: tl.constexpr,
     ):
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -378,6 +396,8 @@ if triton is not None:
                 b_ptrs += BLOCK_K
             out = _activation(_scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS), rn, ACT, ACT_FROM)
             _store_tile(C, out, rm, rn, M, N, stride_cm)
+            if SPLIT_ACT:  # masked: tiles left of ACT_FROM store nothing there
+                _store_activated_copy(S, out, rm, rn, M, N, stride_sm, ACT_FROM)
 
 
 class _CudaFacts(NamedTuple):
@@ -457,14 +477,14 @@ def _quant_key(device, dtype, m: int, k: int, stride_m: int, align: int) -> tupl
 
 def _gemm_key(device, m: int, n: int, k: int, out_dtype, has_bias: bool, act: int, act_from: int, config,
               w: Fp8LinearWeight, x_align: int, x_stride: int, x_scale_align: int, bias_align: int,
-              bias_dtype) -> tuple:
+              bias_dtype, act_out_align: int | None = None) -> tuple:
     """Direct-launch key of the GEMM: shapes, dtypes, the epilogue, the config and the
     pointers' 16-byte alignment (a weight sliced out of a fused one may be unaligned). Without
     a bias the kernel gets x_scale in its place: bias_align/bias_dtype are then x_scale's."""
     return ("fp8_gemm", device, m, n, k, out_dtype, has_bias, int(act), act_from,
             None if config is None else tuple(sorted(config.items())), x_align,
             w.weight.data_ptr() % 16, x_scale_align, w.scale.data_ptr() % 16,
-            bias_align, bias_dtype, x_stride, w.weight.stride(0))
+            bias_align, bias_dtype, x_stride, w.weight.stride(0), act_out_align)
 
 
 def _subtiled(cfg: dict, fp32_out: bool) -> bool:
@@ -484,9 +504,12 @@ def _tma_usable(*tensors: torch.Tensor, host_tma: bool | None = None) -> bool:
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None,
-             out_dtype: torch.dtype, config: dict | None = None, act: int = 0, act_from: int = 0) -> torch.Tensor:
+             out_dtype: torch.dtype, config: dict | None = None, act: int = 0, act_from: int = 0,
+             act_out: torch.Tensor | None = None) -> torch.Tensor:
     """(x_fp8 * x_scale) @ (W * w_scale).T + bias, cast to out_dtype: the GEMM alone; `act`
-    (ACTIVATIONS' code, 0 none) applied to output columns >= act_from."""
+    (ACTIVATIONS' code, 0 none) applied to output columns >= act_from. `act_out`: a contiguous
+    [M, N - act_from] tensor of out_dtype that also receives those activated columns (the
+    output keeps them too): a consumer that needs them contiguous (a torch.cat) reads it."""
     m, k = x_fp8.shape
     n = w.out_features
     device = x_fp8.device
@@ -500,12 +523,13 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
     if direct_launch.usable(out):
         key = _gemm_key(device, m, n, k, out_dtype, bias is not None, act, act_from, config, w,
                         x_fp8.data_ptr() % 16, x_fp8.stride(0), x_scale.data_ptr() % 16,
-                        bias_arg.data_ptr() % 16, bias_arg.dtype)
+                        bias_arg.data_ptr() % 16, bias_arg.dtype,
+                        None if act_out is None else act_out.data_ptr() % 16)
         plan = direct_launch.lookup(key)
         if plan is not None:
             tma, blocks = _gemm_layouts[key]
             direct_launch.launch(plan, device.index, _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks,
-                                                                 act_from))
+                                                                 act_from, act_out=act_out))
             return out
     if config is None:
         cfg = default_config(device, True) if interpreter else _cuda_facts(device).config
@@ -514,12 +538,18 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     programs = min(tiles, INTERPRETER_PROGRAMS if interpreter else sm_count(device.index or 0))
+    split = act_out is not None
     consts = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-                  NUM_PROGRAMS=programs, ACT=epilogue_act(int(act), device, out_dtype))
+                  NUM_PROGRAMS=programs, ACT=epilogue_act(int(act), device, out_dtype), SPLIT_ACT=split)
     tma = (bool(cfg.get("TMA")) and not interpreter
-           and _tma_usable(x_fp8, w.weight, host_tma=_cuda_facts(device).host_tma))
+           and _tma_usable(x_fp8, w.weight, host_tma=_cuda_facts(device).host_tma)
+           # The TMA epilogue copies whole tiles: the copy must start on a tile and its rows
+           # (and base) be 16-byte aligned; otherwise the pointer kernel copies per element.
+           and (not split or (act_from % bn == 0 and act_out.data_ptr() % 16 == 0
+                              and (act_out.stride(0) * act_out.element_size()) % 16 == 0)))
     if tma:
-        subtile = _subtiled(cfg, out_dtype == torch.float32)
+        # Two stores per activated tile: half-width staging keeps them inside shared memory.
+        subtile = _subtiled(cfg, out_dtype == torch.float32) or split
         consts.update(FLATTEN=bool(cfg.get("FLATTEN", False)), EPILOGUE_SUBTILE=subtile)
         blocks = (bm, bn, bk, bn // 2 if subtile else bn)
         fn, order = _fp8_linear_tma, _TMA_CONSTEXPRS
@@ -527,21 +557,22 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
         consts.update(EVEN_K=k % bk == 0)
         blocks = None
         fn, order = _fp8_linear_ptr, _PTR_CONSTEXPRS
-    args = _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks, act_from)
+    args = _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks, act_from, act_out=act_out)
     kernel = fn[(programs,)](*args, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if key is not None and kernel is not None:
         # How to rebuild the arguments for the plan (descriptors are per call: new tensors).
         _gemm_layouts[key] = (tma, blocks)
         direct_launch.record(key, kernel, (programs,), tuple(consts[n] for n in order), args, out=out,
                              rebind=lambda probe: _gemm_args(tma, x_fp8, x_scale, w, bias_arg, probe, blocks,
-                                                             act_from))
+                                                             act_from, act_out=act_out))
     return out
 
 
 def _gemm_args(tma: bool, x_fp8, x_scale, w: Fp8LinearWeight, bias_arg, out, blocks, act_from: int,
-               w_desc=None) -> tuple:
+               w_desc=None, act_out=None) -> tuple:
     """The GEMM kernels' runtime arguments (constexprs excluded), in signature order. `w_desc`:
-    the weight's TMA descriptor when the caller keeps one (it only changes with the weight)."""
+    the weight's TMA descriptor when the caller keeps one (it only changes with the weight).
+    Without `act_out` the output stands in for it (SPLIT_ACT off: never written)."""
     m, k = x_fp8.shape
     n = out.shape[1]
     if tma:
@@ -550,10 +581,14 @@ def _gemm_args(tma: bool, x_fp8, x_scale, w: Fp8LinearWeight, bias_arg, out, blo
         bm, bn, bk, bn_out = blocks
         if w_desc is None:
             w_desc = TensorDescriptor(w.weight, [n, k], [k, 1], [bn, bk])
-        return (TensorDescriptor(x_fp8, [m, k], [k, 1], [bm, bk]), w_desc,
-                TensorDescriptor(out, [m, n], [n, 1], [bm, bn_out]), x_scale, w.scale, bias_arg, m, n, k, act_from)
-    return (x_fp8, w.weight, out, x_scale, w.scale, bias_arg, m, n, k, x_fp8.stride(0), w.weight.stride(0),
-            out.stride(0), act_from)
+        c_desc = TensorDescriptor(out, [m, n], [n, 1], [bm, bn_out])
+        s_desc = c_desc if act_out is None else TensorDescriptor(act_out, [m, n - act_from], [n - act_from, 1],
+                                                                 [bm, bn_out])
+        return (TensorDescriptor(x_fp8, [m, k], [k, 1], [bm, bk]), w_desc, c_desc, s_desc, x_scale, w.scale,
+                bias_arg, m, n, k, act_from)
+    s = out if act_out is None else act_out
+    return (x_fp8, w.weight, out, s, x_scale, w.scale, bias_arg, m, n, k, x_fp8.stride(0), w.weight.stride(0),
+            out.stride(0), s.stride(0), act_from)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None = None,
@@ -593,11 +628,14 @@ def prepare(weight: torch.Tensor, weight_scale=None) -> tuple[torch.Tensor, torc
 
 
 def run_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-               rotation: int, out_dtype: torch.dtype, act: int = 0, act_from: int = 0) -> torch.Tensor:
-    """kernels.linear's entry: a checked [M, K] call (unit last stride) on a prepared weight."""
+               rotation: int, out_dtype: torch.dtype, act: int = 0, act_from: int = 0,
+               act_out: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.linear's entry: a checked [M, K] call (unit last stride) on a prepared weight;
+    `act_out` a checked contiguous [M, N - act_from] copy of the activated columns."""
     _check_device(x2d.device)
     x_fp8, x_scale = quantize_activation(x2d)
-    return fp8_gemm(x_fp8, x_scale, Fp8LinearWeight(weight, scale), bias, out_dtype, act=act, act_from=act_from)
+    return fp8_gemm(x_fp8, x_scale, Fp8LinearWeight(weight, scale), bias, out_dtype, act=act, act_from=act_from,
+                    act_out=act_out)
 
 
 class DirectCall:
@@ -611,24 +649,27 @@ class DirectCall:
     JIT launch verifies it on the second call) or direct launches are off."""
 
     __slots__ = ("quant_key", "gemm_key", "tma", "blocks", "w", "m", "n", "k", "out_dtype", "act_from",
-                 "device", "device_index", "bias_align", "w_desc")
+                 "device", "device_index", "bias_align", "act_out_align", "w_desc")
 
     def __init__(self, quant_key, gemm_key, tma, blocks, w: Fp8LinearWeight, m, n, k, out_dtype, act_from,
-                 device, bias_align):
+                 device, bias_align, act_out_align=None):
         self.quant_key, self.gemm_key, self.tma, self.blocks = quant_key, gemm_key, tma, blocks
         self.w, self.m, self.n, self.k, self.out_dtype, self.act_from = w, m, n, k, out_dtype, act_from
         self.device, self.device_index, self.bias_align = device, device.index or 0, bias_align
+        self.act_out_align = act_out_align  # None: calls without the activated copy
         self.w_desc = None
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             self.w_desc = TensorDescriptor(w.weight, [n, k], [k, 1], [blocks[1], blocks[2]])
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None):
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, act_out: torch.Tensor | None = None):
         quant, gemm = direct_launch.lookup(self.quant_key), direct_launch.lookup(self.gemm_key)
         if (quant is None or gemm is None or not direct_launch.usable(x)
                 or torch.cuda.current_device() != self.device_index
-                or (bias is not None and bias.data_ptr() % 16 != self.bias_align)):
+                or (bias is not None and bias.data_ptr() % 16 != self.bias_align)
+                or (act_out is None) != (self.act_out_align is None)
+                or (act_out is not None and act_out.data_ptr() % 16 != self.act_out_align)):
             return None
         m, n, k, device = self.m, self.n, self.k, self.device
         x2d = x.view(m, k)
@@ -636,13 +677,15 @@ class DirectCall:
         s = torch.empty((m,), dtype=torch.float32, device=device)
         out = torch.empty((m, n), dtype=self.out_dtype, device=device)
         direct_launch.launch(quant, self.device_index, (x2d, y, s, k, k))
-        direct_launch.launch(gemm, self.device_index, _gemm_args(self.tma, y, s, self.w, s if bias is None else bias,
-                                                                 out, self.blocks, self.act_from, self.w_desc))
+        direct_launch.launch(gemm, self.device_index, _gemm_args(
+            self.tma, y, s, self.w, s if bias is None else bias, out, self.blocks, self.act_from, self.w_desc,
+            None if act_out is None else act_out.view(m, n - self.act_from)))
         return out
 
 
 def direct_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype, act: int = 0, act_from: int = 0) -> DirectCall | None:
+                out_dtype: torch.dtype, act: int = 0, act_from: int = 0,
+                act_out: torch.Tensor | None = None) -> DirectCall | None:
     """A DirectCall for calls like this one (x [..., K] contiguous, on CUDA) after it ran through
     the checked path, or None where that path must always serve it: direct launches off,
     another layout, no rows, a GEMM the checked path launched without a direct-launch key."""
@@ -657,13 +700,15 @@ def direct_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     # The quantised activation, its scales and the output are fresh tensors from the caching
     # allocator (512-byte aligned): alignment 0, as in the keys the checked path recorded.
     quant_key = _quant_key(device, x.dtype, m, k, k, x.data_ptr() % 16)
+    act_out_align = None if act_out is None else act_out.data_ptr() % 16
     gemm_key = _gemm_key(device, m, n, k, out_dtype, bias is not None, act, int(act_from), None, w, 0, k, 0,
-                         bias_align, bias.dtype if bias is not None else torch.float32)
+                         bias_align, bias.dtype if bias is not None else torch.float32, act_out_align)
     layout = _gemm_layouts.get(gemm_key)
     if layout is None:
         return None
     tma, blocks = layout
-    return DirectCall(quant_key, gemm_key, tma, blocks, w, m, n, k, out_dtype, int(act_from), device, bias_align)
+    return DirectCall(quant_key, gemm_key, tma, blocks, w, m, n, k, out_dtype, int(act_from), device, bias_align,
+                      act_out_align)
 
 
 # The kernels' constexpr names in signature order: a direct launch appends their values.
@@ -673,7 +718,7 @@ _PTR_CONSTEXPRS = direct_launch.constexpr_order(_fp8_linear_ptr) if triton is no
 
 
 def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, tma: bool | None = None,
-                  act: int = 0):
+                  act: int = 0, split: bool = False):
     """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...)): the
     activation quantisation and the GEMM as a launch on contiguous tensors specialises them."""
     quant_sig = {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32", "K": "i32", "stride_xm": "i32",
@@ -686,18 +731,20 @@ def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, 
     const = dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"], NUM_PROGRAMS=132)
     scalars = {"SA": "*fp32", "SB": "*fp32", "BIAS": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
     if use_tma:
-        subtile = _subtiled(config, out_dtype == "fp32")
+        subtile = _subtiled(config, out_dtype == "fp32") or split
+        c_type = f"tensordesc<{out_dtype}[{bm}, {bn // 2 if subtile else bn}]>"
         sig = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
-               "c_desc": f"tensordesc<{out_dtype}[{bm}, {bn // 2 if subtile else bn}]>", **scalars, "ACT_FROM": "i32"}
+               "c_desc": c_type, "s_desc": c_type, **scalars, "ACT_FROM": "i32"}
         const.update(FLATTEN=bool(config.get("FLATTEN", False)), EPILOGUE_SUBTILE=subtile)
         fn, aligned = _fp8_linear_tma, ["SA", "SB", "BIAS", "N", "K"]
     else:
-        sig = {"A": "*fp8e4nv", "B": "*fp8e4nv", "C": f"*{out_dtype}", **scalars,
-               "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32", "ACT_FROM": "i32"}
-        fn, aligned = _fp8_linear_ptr, ["A", "B", "C", "SA", "SB", "BIAS", "N", "K", "stride_am", "stride_bn",
-                                        "stride_cm"]
+        sig = {"A": "*fp8e4nv", "B": "*fp8e4nv", "C": f"*{out_dtype}", "S": f"*{out_dtype}", **scalars,
+               "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32", "stride_sm": "i32", "ACT_FROM": "i32"}
+        fn, aligned = _fp8_linear_ptr, ["A", "B", "C", "S", "SA", "SB", "BIAS", "N", "K", "stride_am", "stride_bn",
+                                        "stride_cm", "stride_sm"]
         const["EVEN_K"] = True
-    const["ACT"] = int(act)  # the kernels' last constexpr
+    const["ACT"] = int(act)
+    const["SPLIT_ACT"] = bool(split)  # the kernels' last constexpr
     for name in const:
         sig[name] = "constexpr"
     names = list(sig)

@@ -28,11 +28,15 @@ How, and why this way:
   unpatch_all) or garbage-collected (weakref.finalize on the clone).
 - Fused activations: a Linear whose output feeds nn.GELU(approximate="tanh") alone (an
   nn.Sequential MLP: Flux's double blocks, Wan's FFN) gets the GELU in its GEMM epilogue,
-  saving a pass over the output (fusable_activations says why not Flux's single blocks).
-  Our kernel marks the tensor it activated (ACTIVATED_ATTR on its storage's root tensor); the
-  GELU module's forward becomes an object patch (FusedActivation) that passes a marked tensor
-  through and runs the GELU on anything else. So every call ComfyUI's Linear (or an
-  extension) serves is activated exactly once, as before, and only ours is fused.
+  saving a pass over the output. Flux's single blocks (GELU on the MLP columns of linear1,
+  then torch.cat) get it too, with patch_linear_model(copy_activations=True), where the kernel
+  can also write those columns to a contiguous copy (fusable_with_copy(): the cat keeps its
+  vectorised kernel); off by default until a wall-clock run shows it pays.
+  Our kernel marks the tensor it activated (ACTIVATED_ATTR on its storage's root tensor, and
+  the copy under ACTIVATED_COPY_ATTR); the GELU module's forward becomes an object patch
+  (FusedActivation) that passes a marked tensor through (the copy, when it asks for exactly
+  the copied columns) and runs the GELU on anything else. So every call ComfyUI's Linear (or
+  an extension) serves is activated exactly once, as before, and only ours is fused.
 - Other packs' Linear (kernels/extensions.py register_linear): forced by the Settings node's
   `linear` "ext:<name>", or in auto walked by priority with ours where auto runs ours
   (extension_plan). They get the weight in the input's dtype (ComfyUI's cast under dynamic
@@ -194,14 +198,18 @@ class LinearBackend:
     # prepare_weight_per_call(weight, method, weight_scale): for a weight used by one call only
     # (dynamic VRAM); None: `prepare` serves those too.
     prepare_per_call: object = None
+    # Methods whose `run` takes activation_out (a contiguous copy of the activated columns).
+    activation_out_methods: tuple = ()
 
 
 def default_backend() -> LinearBackend:
     from .. import kernels
     from ..kernels.linear import prepare_weight_per_call
 
+    from ..kernels.linear import ACTIVATION_OUT_METHODS
+
     return LinearBackend(kernels.prepare_weight, kernels.linear, kernels.linear_refusal, kernels.LinearInputError,
-                         prepare_weight_per_call)
+                         prepare_weight_per_call, ACTIVATION_OUT_METHODS)
 
 
 # ---- per-layer state ------------------------------------------------------------------------
@@ -263,6 +271,9 @@ class LinearLayer:
         self.entries: dict[str, PreparedEntry] = {}  # per device
         # (activation, first column) our kernel applies in its epilogue (FusedActivation), or None
         self.activation: tuple[str, int] | None = None
+        # The activated columns also go to a contiguous copy (fusable_with_copy: their consumer
+        # concatenates them), where the method's kernel writes one.
+        self.activation_copy = False
         self.streamed: dict[str, StreamedEntry] = {}  # per device: guard state of calls under dynamic VRAM
         self.fallbacks: dict[str, str] = {}  # device -> why this layer runs ComfyUI's Linear for good
         # Other packs' Linear on this layer, per (device, "ext:<name>"): the weight version its
@@ -417,16 +428,33 @@ class LinearLayer:
         """Our kernel on a prepared weight, with this layer's activation fused (and its output
         marked for FusedActivation) outside torch.compile's tracing (a traced graph keeps no
         marks: there the activation module runs the GELU itself)."""
-        if self.activation is None or _is_compiling():
-            return self.state.backend.run(x, prepared, bias, x.dtype)
+        backend = self.state.backend
+        if not self.fuses(getattr(prepared, "method", None)):
+            return backend.run(x, prepared, bias, x.dtype)
         activation, first = self.activation
-        out = self.state.backend.run(x, prepared, bias, x.dtype, activation=activation, activation_from=first)
+        if self.activation_copy:
+            copy = torch.empty((*x.shape[:-1], prepared.out_features - first), dtype=x.dtype, device=x.device)
+            out = backend.run(x, prepared, bias, x.dtype, activation=activation, activation_from=first,
+                              activation_out=copy)
+            mark_activated(out, first, copy)
+            return out
+        out = backend.run(x, prepared, bias, x.dtype, activation=activation, activation_from=first)
         mark_activated(out, first)
         return out
 
-    def activated_reference(self, reference: torch.Tensor) -> torch.Tensor:
-        """ComfyUI's output with this layer's fused activation applied (a copy), to compare ours with."""
+    def fuses(self, method: str | None) -> bool:
+        """Whether our kernel applies this layer's activation on this call: outside torch.compile's
+        tracing (a traced graph keeps no marks), and for a layer whose activated columns need a
+        contiguous copy only where `method`'s kernel writes one (else the consumer would get a
+        strided slice: ComfyUI's GELU runs instead)."""
         if self.activation is None or _is_compiling():
+            return False
+        return not self.activation_copy or method in self.state.backend.activation_out_methods
+
+    def activated_reference(self, reference: torch.Tensor, method: str | None) -> torch.Tensor:
+        """ComfyUI's output with the activation our kernel fuses on this call applied (a copy),
+        to compare ours with."""
+        if not self.fuses(method):
             return reference
         first = self.activation[1]
         out = reference.clone()
@@ -520,6 +548,11 @@ class LinearPatchState:
     def fused_activations(self) -> int:
         """GELUs our kernels apply in their epilogue (FusedActivation)."""
         return sum(layer.activation is not None for layer in self.layers)
+
+    @property
+    def copied_activations(self) -> int:
+        """Of those, the ones fused only where the method's kernel writes the contiguous copy."""
+        return sum(layer.activation is not None and layer.activation_copy for layer in self.layers)
 
     # Prepared weights are GPU memory: a deep copy of whatever holds this state (a callback
     # list, say) must share it, never copy it. MultiGPU clones get their own state through
@@ -655,7 +688,8 @@ class LinearPatchState:
             call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_KERNEL_ERROR, kind=KIND, model=self.label)
             return reference
         entry.guarded = True
-        failure = guard_failure(ours, layer.activated_reference(reference), GUARD_MAX_REL_L2[entry.method])
+        failure = guard_failure(ours, layer.activated_reference(reference, entry.method),
+                                GUARD_MAX_REL_L2[entry.method])
         if failure is not None:
             self.fall_back(layer, x.device, f"quality guard ({entry.method}): {failure}")
             call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_GUARD, kind=KIND, model=self.label)
@@ -729,7 +763,7 @@ class LinearPatchState:
             module = _submodule(diffusion_model, layer.name)
             if module is not None and is_linear_module(module):
                 copy = LinearLayer(state, layer.name, module, _rebound(layer.previous, layer.module, module))
-                copy.activation = layer.activation
+                copy.activation, copy.activation_copy = layer.activation, layer.activation_copy
                 state.layers.append(copy)
         log.info("Triton Accel Linear (%s): %d Linear layers of a MultiGPU clone patched", self.label,
                  len(state.layers))
@@ -1012,7 +1046,7 @@ def _streamed_run(layer: LinearLayer, x: torch.Tensor, method: str, weight_dtype
         if entry.guarded:
             break
         reference = layer.previous(x) if reference is None else reference
-        failure = guard_failure(out, layer.activated_reference(reference), GUARD_MAX_REL_L2[method])
+        failure = guard_failure(out, layer.activated_reference(reference, method), GUARD_MAX_REL_L2[method])
         if failure is None:
             entry.guarded = True
             break
@@ -1037,14 +1071,32 @@ def _streamed_hand_back(layer: LinearLayer, x: torch.Tensor, reference, reason: 
 ACTIVATION_GELU_TANH = "gelu_tanh"  # kernels.linear's activation name for nn.GELU(approximate="tanh")
 # Set on the root tensor of a Linear output whose columns >= the value our kernel activated.
 ACTIVATED_ATTR = "_triton_accel_activated_from"
+# Set beside it when the kernel also wrote those columns to a contiguous tensor: that tensor.
+ACTIVATED_COPY_ATTR = "_triton_accel_activated_copy"
 
 
-def mark_activated(out: torch.Tensor, first: int) -> None:
-    """Mark the storage root of our kernel's output: columns >= first hold GELU(x @ W.T + b).
-    The root, because the caller gets a reshaped view of the kernel's [M, N] tensor and views
-    of views (torch.split) all point to it as their _base."""
+def mark_activated(out: torch.Tensor, first: int, copy: torch.Tensor | None = None) -> None:
+    """Mark the storage root of our kernel's output: columns >= first hold GELU(x @ W.T + b)
+    (and `copy`, contiguous, holds the same columns). The root, because the caller gets a
+    reshaped view of the kernel's [M, N] tensor and views of views (torch.split) all point to
+    it as their _base."""
     root = out if out._base is None else out._base
     setattr(root, ACTIVATED_ATTR, int(first))
+    if copy is not None:
+        setattr(root, ACTIVATED_COPY_ATTR, copy)
+
+
+def activated_copy(x: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous copy of x when x is exactly the copied columns of a marked output (all
+    rows, columns first..end: torch.split's tail), shaped as x; else None."""
+    root = x if x._base is None else x._base
+    copy = getattr(root, ACTIVATED_COPY_ATTR, None)
+    if copy is None or not is_activated(x):
+        return None
+    first = getattr(root, ACTIVATED_ATTR)
+    if x.storage_offset() - root.storage_offset() != first or x.numel() != copy.numel():
+        return None
+    return copy.view(x.shape)
 
 
 def is_activated(x: torch.Tensor) -> bool:
@@ -1080,7 +1132,8 @@ class FusedActivation:
     def __call__(self, *args, **kwargs):
         if (len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor and not _is_compiling()
                 and is_activated(args[0])):
-            return args[0]
+            copy = activated_copy(args[0])
+            return args[0] if copy is None else copy
         return self.previous(*args, **kwargs)
 
 
@@ -1091,13 +1144,7 @@ def _is_gelu_tanh(module) -> bool:
 def fusable_activations(diffusion_model: torch.nn.Module) -> list[tuple[str, str, int]]:
     """(Linear name, activation module name, first activated column) for each GELU-tanh fed by
     a Linear alone: nn.Sequential(..., Linear, GELU(tanh), ...) (Flux double blocks, Wan FFN,
-    Chroma, HunyuanVideo).
-
-    Not Flux's single blocks (GELU on the MLP columns of linear1's fused output), though the
-    epilogue can take a first column: ComfyUI passes the GELU's output to torch.cat, and
-    handing it the strided slice of linear1's output instead of GELU's contiguous result sends
-    that cat to its non-vectorised kernel. Measured on the H200 (Flux 12B, one step): the GELU
-    pass saved 5.9 ms, the slower cat cost 7.6 ms more (benchmarks/RESULTS.md, session 20)."""
+    Chroma, HunyuanVideo). Flux's single blocks: fusable_with_copy."""
     found = []
     for name, module in diffusion_model.named_modules():
         prefix = f"{name}." if name else ""
@@ -1109,10 +1156,42 @@ def fusable_activations(diffusion_model: torch.nn.Module) -> list[tuple[str, str
     return found
 
 
-def _fuse_activations(patched, state: LinearPatchState) -> None:
-    """Give each fusable layer its activation and patch the activation module."""
+def fusable_with_copy(diffusion_model: torch.nn.Module) -> list[tuple[str, str, int]]:
+    """(Linear name, activation module name, first activated column) for Flux-style single
+    blocks: `qkv, mlp = split(linear1(x), [3 * hidden_size, mlp_hidden_dim])`, then
+    `mlp_act(mlp)` (GELU tanh) goes into `torch.cat((attn, ...))`.
+
+    The GELU is fused there only with a contiguous copy of the activated columns
+    (kernels.linear's activation_out): handed the strided slice of linear1's output instead of
+    GELU's contiguous result, that cat runs its non-vectorised kernel, which cost more than the
+    GELU pass saved (H200, Flux 12B, one step: 5.9 ms saved, 7.6 ms more in the cat;
+    benchmarks/RESULTS.md, session 20). Blocks whose MLP takes another slice (a gated
+    `yak_mlp`, SiLU variants) are left alone."""
+    found = []
+    for name, module in diffusion_model.named_modules():
+        if type(module).__name__ != "SingleStreamBlock":
+            continue
+        linear1, act = getattr(module, "linear1", None), getattr(module, "mlp_act", None)
+        hidden, mlp = getattr(module, "hidden_size", None), getattr(module, "mlp_hidden_dim", None)
+        if (not is_linear_module(linear1) or not _is_gelu_tanh(act) or not isinstance(hidden, int)
+                or not isinstance(mlp, int) or getattr(module, "yak_mlp", False)
+                or getattr(module, "mlp_hidden_dim_first", mlp) != mlp
+                or linear1.out_features != 3 * hidden + mlp):
+            continue
+        prefix = f"{name}." if name else ""
+        found.append((prefix + "linear1", prefix + "mlp_act", 3 * hidden))
+    return found
+
+
+def _fuse_activations(patched, state: LinearPatchState, with_copies: bool = False) -> None:
+    """Give each fusable layer its activation and patch the activation module (`with_copies`:
+    the fusable_with_copy() ones too)."""
     layers = {layer.name: layer for layer in state.layers}
-    for linear_name, act_name, first in fusable_activations(patched.model.diffusion_model):
+    diffusion_model = patched.model.diffusion_model
+    fusable = [(*f, False) for f in fusable_activations(diffusion_model)]
+    if with_copies:
+        fusable += [(*f, True) for f in fusable_with_copy(diffusion_model)]
+    for linear_name, act_name, first, with_copy in fusable:
         layer = layers.get(linear_name)
         if layer is None or layer.skip_reason:
             continue
@@ -1120,8 +1199,9 @@ def _fuse_activations(patched, state: LinearPatchState) -> None:
         previous = patched.get_model_object(key)
         while isinstance(previous, FusedActivation):  # re-patching one of our clones
             previous = previous.previous
-        module = _submodule(patched.model.diffusion_model, act_name)
+        module = _submodule(diffusion_model, act_name)
         layer.activation = (ACTIVATION_GELU_TANH, first)
+        layer.activation_copy = with_copy
         patched.add_object_patch(key, FusedActivation(act_name, module, previous))
 
 
@@ -1135,11 +1215,15 @@ def _interrupt_check():
 def patch_linear_model(model, settings: AccelSettings | None = None, skip: str = SKIP_AUTO,
                        min_tokens: int = MIN_TOKENS, backend: LinearBackend | None = None,
                        label: str | None = None, dynamic_vram: str = DYNAMIC_VRAM_AUTO,
-                       weight_cast: ComfyWeightCast | None = None, fuse_activations: bool = True):
+                       weight_cast: ComfyWeightCast | None = None, fuse_activations: bool = True,
+                       copy_activations: bool = False):
     """A clone of `model` (a ComfyUI ModelPatcher) whose diffusion model's Linear layers go
     through kernels.linear. `label`: call_stats' name for the clone (a new one when None);
     `dynamic_vram`: one of DYNAMIC_VRAM_MODES (what calls whose weights ComfyUI streams get);
-    `fuse_activations`: GELUs fed by a served Linear run in its GEMM epilogue (FusedActivation).
+    `fuse_activations`: GELUs fed by a served Linear run in its GEMM epilogue (FusedActivation);
+    `copy_activations`: Flux's single blocks too, with the contiguous copy (fusable_with_copy()).
+    Off by default: it saves 4.3 ms of a Flux step's kernels on the H200, but the wall-clock
+    runs so far did not show a gain (benchmarks/RESULTS.md, session 21).
     Raises ValueError for a skip pattern that does not parse or an unknown dynamic_vram."""
     settings = settings or AccelSettings("auto")
     patterns = SkipPatterns.parse(skip)
@@ -1160,7 +1244,7 @@ def patch_linear_model(model, settings: AccelSettings | None = None, skip: str =
         state.layers.append(layer)
         patched.add_object_patch(key, layer)
     if fuse_activations:
-        _fuse_activations(patched, state)
+        _fuse_activations(patched, state, copy_activations)
     _add_callbacks(patched, state)
     weakref.finalize(patched, state.release)
     patched.triton_accel_linear = state  # for the node's text and tests; clones do not copy it
@@ -1202,7 +1286,11 @@ def patched_linear_text(patched, settings: AccelSettings) -> str:
             f"calls under {state.min_tokens} tokens go to ComfyUI's Linear")
     if state.fused_activations:
         text += (f"; {state.fused_activations} GELU activations run in our GEMM's epilogue (ComfyUI's GELU "
-                 "still runs on every call ComfyUI's Linear serves)")
+                 "still runs on every call ComfyUI's Linear serves")
+        if state.copied_activations:
+            text += (f"; {state.copied_activations} of them, whose output is concatenated, only where FP8 W8A8 "
+                     "runs them")
+        text += ")"
     if _dynamic_vram_enabled():
         text += f"\nComfyUI's dynamic VRAM is on: {DYNAMIC_VRAM_TEXT[state.dynamic_vram]}"
     device = getattr(patched, "load_device", None)

@@ -36,6 +36,12 @@ GOOD = [(90, "sm90", True, "bf16", True), (90, "sm90", False, "fp16", False),
         (89, "sm89", False, "bf16", True), (120, "sm120", False, "fp16", True),
         # linear_bench.py's sweep options: the flattened persistent loop with a split epilogue.
         (90, "sm90", True, "bf16", True, {"FLATTEN": True, "EPILOGUE_SUBTILE": True, "num_stages": 4})]
+# The GELU epilogue with its contiguous copy of the activated columns (SPLIT_ACT: Flux's
+# single blocks), every target's shipped config: a second TMA store per activated half-tile
+# must still fit sm_90's shared memory.
+SPLIT = [(90, "sm90", True, "bf16", True, {"SPLIT": True}), (90, "sm90", False, "bf16", True, {"SPLIT": True}),
+         (89, "sm89", False, "bf16", True, {"SPLIT": True}), (120, "sm120", False, "fp16", True, {"SPLIT": True})]
+GOOD += SPLIT
 BAD = [(80, "sm89", False, "bf16", True), (86, "sm89", False, "bf16", False)]
 
 WORKER = r"""
@@ -61,8 +67,10 @@ def compile_job(job):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     cfg = dict(lf.LINEAR_FP8_CONFIGS[lf.config_family(family)], **(job[5] if len(job) > 5 else {}))
+    split = cfg.pop("SPLIT", False)
     out = []
-    for fn, sig, const, attrs, opts in lf.compile_specs(cfg, out_dtype, bias, tma):
+    for fn, sig, const, attrs, opts in lf.compile_specs(cfg, out_dtype, bias, tma, act=1 if split else 0,
+                                                        split=split):
         name = fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__
         try:
             k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cc, 32), options=opts)
@@ -99,8 +107,11 @@ def _key(job):
 
 
 def _ids(jobs):
-    return [f"sm{j[0]}-{'tma' if j[2] else 'ptr'}-{j[3]}{'-bias' if j[4] else ''}{'-flat-sub' if len(j) > 5 else ''}"
-            for j in jobs]
+    def extra(j):
+        if len(j) <= 5:
+            return ""
+        return "-split-act" if j[5].get("SPLIT") else "-flat-sub"
+    return [f"sm{j[0]}-{'tma' if j[2] else 'ptr'}-{j[3]}{'-bias' if j[4] else ''}{extra(j)}" for j in jobs]
 
 
 @pytest.mark.parametrize("job", GOOD, ids=_ids(GOOD))
@@ -119,6 +130,13 @@ def test_compiles_with_fp8_mma(report, job):
         assert "wgmma" not in gemm["ptx"]
     if job[2]:
         assert "cp.async.bulk.tensor" in gemm["ptx"], "TMA variant without TMA loads"
+    if len(job) > 5 and job[5].get("SPLIT"):
+        # The activated copy's own stores: TMA (two half-tiles beside the output's two) or masked ones.
+        if job[2]:
+            stores = re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", gemm["ptx"])
+            assert len(stores) >= 4, f"{len(stores)} TMA stores: the activated copy is not stored"
+        else:
+            assert len(re.findall(r"st\.global", gemm["ptx"])) > 0
 
 
 @pytest.mark.parametrize("job", BAD, ids=_ids(BAD))

@@ -321,7 +321,7 @@ class _FakeDirect:
     def __init__(self, result):
         self.result, self.calls = result, 0
 
-    def __call__(self, x, bias):
+    def __call__(self, x, bias, act_out=None):
         self.calls += 1
         return self.result
 
@@ -462,3 +462,68 @@ def test_direct_call_keys_are_the_checked_paths_keys(monkeypatch):
     # Layouts the checked path would copy first get no DirectCall.
     assert lf.direct_call(x.transpose(0, 1), prepared.weight, prepared.scale, None, torch.bfloat16) is None
     assert lf.direct_call(x[:0], prepared.weight, prepared.scale, None, torch.bfloat16) is None
+
+
+# ---- activation_out: the activated columns also written, contiguous (Flux's single blocks) --
+# Same kernel, same epilogue: the output must equal the activation-only call bit for bit and
+# the copy must equal the output's activated columns bit for bit (the CPU runs the pointer
+# kernel's masked copy; the TMA one is compile-tested and checked on the GPU by
+# benchmarks/host_overhead.py).
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("first", [40, 64, 0], ids=["mid_tile", "tile_edge", "all_columns"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_activation_out_copies_the_activated_columns(dtype, first, with_bias):
+    gen = torch.Generator().manual_seed(first + 3)
+    lead, k, n = (3, 13), 128, 160
+    x, w = activations(lead, k, dtype, gen), weights(n, k, gen)
+    b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    prepared = kernels.prepare_weight(w.to(dtype), "fp8_w8a8")
+    side = torch.full((*lead, n - first), float("nan"), dtype=dtype)
+    kernels.stats.reset()
+    out = kernels.linear(x, prepared, b, activation="gelu_tanh", activation_from=first, activation_out=side)
+    plain = kernels.linear(x, prepared, b, activation="gelu_tanh", activation_from=first)
+    assert torch.equal(out, plain)
+    assert torch.equal(side, out[..., first:])
+    assert kernels.stats.counts()[L.EPILOGUE_COUNTER] == 2
+
+
+def _bad_activation_out():
+    gen = torch.Generator().manual_seed(8)
+    x, w = activations((6,), 64, torch.bfloat16, gen), weights(96, 64, gen)
+    fp8 = kernels.prepare_weight(w, "fp8_w8a8")
+    good = dict(activation="gelu_tanh", activation_from=32)
+    side = torch.empty(6, 64, dtype=torch.bfloat16)
+    return {
+        "int8_method": (lambda: kernels.linear(x, kernels.prepare_weight(w, "int8_w8a8"), activation_out=side,
+                                               **good), "only fp8_w8a8"),
+        "no_activation": (lambda: kernels.linear(x, fp8, activation_out=side), "needs an activation"),
+        "wrong_width": (lambda: kernels.linear(x, fp8, activation_out=torch.empty(6, 96, dtype=torch.bfloat16),
+                                               **good), r"shape \(6, 64\)"),
+        "wrong_dtype": (lambda: kernels.linear(x, fp8, activation_out=side.float(), **good), "contiguous"),
+        "strided": (lambda: kernels.linear(x, fp8, activation_out=torch.empty(6, 128, dtype=torch.bfloat16)[:, ::2],
+                                           **good), "contiguous"),
+        "not_a_tensor": (lambda: kernels.linear(x, fp8, activation_out=[0.0] * 64, **good), "shape"),
+    }
+
+
+BAD_ACTIVATION_OUT = _bad_activation_out()
+
+
+@pytest.mark.parametrize("case", list(BAD_ACTIVATION_OUT.values()), ids=list(BAD_ACTIVATION_OUT))
+def test_activation_out_bad_inputs_raise_with_reason(case):
+    call, words = case
+    with pytest.raises(kernels.LinearInputError, match=words):
+        call()
+
+
+def test_activation_out_is_part_of_the_remembered_signature():
+    x, prepared = _direct_case()
+    side = torch.empty(3, 5, 16, dtype=torch.bfloat16)
+    plain_key = L._direct_key(x, None, None, "gelu_tanh", 16)
+    split_key = L._direct_key(x, None, None, "gelu_tanh", 16, side)
+    assert plain_key != split_key
+    assert L._direct_key(x, None, None, "gelu_tanh", 16, side.as_subclass(torch.nn.Parameter)) is not None
+    fake = prepared._direct[plain_key] = _FakeDirect(torch.zeros(15, 32, dtype=torch.bfloat16))
+    kernels.linear(x, prepared, activation="gelu_tanh", activation_from=16, activation_out=side)
+    assert fake.calls == 0  # a call with the copy never takes the plain call's launches

@@ -376,7 +376,7 @@ def test_served_layer_repeats_a_remembered_call_until_the_weight_changes():
         def __init__(self, out):
             self.out, self.calls = out, 0
 
-        def __call__(self, x, bias):
+        def __call__(self, x, bias, act_out=None):
             self.calls += 1
             return self.out
 
@@ -677,7 +677,8 @@ def test_settings_node_shows_both_decisions():
 
 class SingleStreamBlock(torch.nn.Module):
     """Flux's single block: linear1's output split into [3 * hidden | MLP], mlp_act on the MLP
-    part only, then torch.cat: not fused (see pl.fusable_activations)."""
+    part only, then torch.cat: fused with a contiguous copy where FP8 W8A8 runs it and
+    patch_linear_model(copy_activations=True) asks for it (pl.fusable_with_copy)."""
 
     def __init__(self, hidden=48, mlp_ratio=2.0, yak_mlp=False):
         super().__init__()
@@ -739,32 +740,60 @@ def _fusable(seed=0):
 
 
 def test_fusable_activations_found_in_real_block_shapes():
-    # The Sequential MLP only: a single block's GELU feeds torch.cat, which runs slower on the
-    # strided slice of linear1 than the GELU pass costs (pl.fusable_activations).
+    # In place: the Sequential MLP. With a contiguous copy: the single block, whose GELU feeds
+    # torch.cat (slower on the strided slice of linear1 than the GELU pass costs).
     assert pl.fusable_activations(FusableModel().diffusion_model) == [("double_mlp.0", "double_mlp.1", 0)]
+    assert pl.fusable_with_copy(FusableModel().diffusion_model) == [
+        ("single_blocks.0.linear1", "single_blocks.0.mlp_act", 144)]
     # exact GELU (approximate="none", SD-style blocks) is not what the epilogue computes
     assert pl.fusable_activations(BaseModel().diffusion_model) == []
+    assert pl.fusable_with_copy(BaseModel().diffusion_model) == []
 
 
+@pytest.mark.parametrize("variant", ["yak_mlp", "wider_first_half", "silu", "other_class", "linear1_size"])
+def test_single_blocks_whose_mlp_takes_another_slice_are_left_alone(variant):
+    block = SingleStreamBlock(48, yak_mlp=variant == "yak_mlp")
+    if variant == "wider_first_half":
+        block.mlp_hidden_dim_first = 2 * block.mlp_hidden_dim
+    elif variant == "silu":
+        block.mlp_act = torch.nn.SiLU()
+    elif variant == "linear1_size":
+        block.linear1 = ComfyLinear(48, 48 * 3 + block.mlp_hidden_dim + 16)
+    root = torch.nn.Module()
+    if variant == "other_class":
+        block.__class__ = type("OtherBlock", (SingleStreamBlock,), {})
+    root.block = block
+    assert pl.fusable_with_copy(root) == []
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["default", "copy_activations"])
 @pytest.mark.parametrize("mode", ["fp8", "int8", "fp8_weight_only"])
-def test_gelu_runs_in_the_gemm_and_the_model_matches_unpatched(mode, gelu_calls):
+def test_gelu_runs_in_the_gemm_and_the_model_matches_unpatched(mode, copies, gelu_calls):
     method = _method_available(mode)
     base, x, expected = _fusable()
     gelu_calls.clear()
-    patched = pl.patch_linear_model(base, FORCED[mode], skip="", min_tokens=16)
+    patched = pl.patch_linear_model(base, FORCED[mode], skip="", min_tokens=16, copy_activations=copies)
     state = patched.triton_accel_linear
-    assert state.fused_activations == 1
-    assert {k for k, v in patched.object_patches.items() if isinstance(v, pl.FusedActivation)} == {
-        "diffusion_model.double_mlp.1.forward"}
-    assert "1 GELU activations run in our GEMM's epilogue" in pl.patched_linear_text(patched, FORCED[mode])
+    assert state.fused_activations == 1 + copies and state.copied_activations == copies
+    act_patches = {"diffusion_model.double_mlp.1.forward"}
+    if copies:
+        act_patches.add("diffusion_model.single_blocks.0.mlp_act.forward")
+    assert {k for k, v in patched.object_patches.items() if isinstance(v, pl.FusedActivation)} == act_patches
+    text = pl.patched_linear_text(patched, FORCED[mode])
+    assert f"{1 + copies} GELU activations run in our GEMM's epilogue" in text
+    assert ("1 of them, whose output is concat" in text) == copies
     patched.patch_model()
+    kernels.stats.reset()
     with torch.no_grad():
         first = patched.model.diffusion_model(x)  # the guard's call
         second = patched.model.diffusion_model(x)
     stats = _linear_stats()
     assert stats["served"] == 8 and stats["paths"] == {method: 8}, stats
-    # only the single block's GELU (not fused) ran: never on an output our kernel had activated
-    assert gelu_calls == [(2, 40, 96)] * 2, gelu_calls
+    # Never a GELU on an output our kernel activated. With copies FP8 W8A8 fuses the single
+    # block's too; otherwise (and for the other methods) that one stays ComfyUI's GELU.
+    copied = copies and mode == "fp8"
+    assert gelu_calls == ([] if copied else [(2, 40, 96)] * 2), gelu_calls
+    assert kernels.stats.counts().get("linear_epilogue_activation", 0) == (4 if copied else 2)
     assert torch.equal(first, second)
     err = _rel_l2(second, expected)
     assert 0 < err < MODEL_TOL, err
@@ -827,10 +856,51 @@ def test_repatching_unwraps_our_activation_patch():
     patch = second.object_patches["diffusion_model.double_mlp.1.forward"]
     assert isinstance(patch, pl.FusedActivation) and not isinstance(patch.previous, pl.FusedActivation)
     # a skipped Linear leaves its activation to ComfyUI (the clone's inherited patch runs it)
-    third = pl.patch_linear_model(first, FORCED["fp8"], skip="double_mlp.*")
+    third = pl.patch_linear_model(first, FORCED["fp8"], skip="double_mlp.*, single_blocks.*", copy_activations=True)
     assert third.triton_accel_linear.fused_activations == 0
-    layer = next(layer for layer in third.triton_accel_linear.layers if layer.name == "double_mlp.0")
-    assert layer.activation is None
+    for name in ("double_mlp.0", "single_blocks.0.linear1"):
+        layer = next(layer for layer in third.triton_accel_linear.layers if layer.name == name)
+        assert layer.activation is None
+
+
+def test_single_block_mlp_gets_the_contiguous_copy():
+    """FP8 W8A8: linear1's kernel writes the GELU'd MLP columns into its output and into a
+    contiguous copy; the GELU patch hands the copy to the block (so its torch.cat stays
+    vectorised) when asked for exactly those columns, and the strided slice otherwise."""
+    _method_available("fp8")
+    base, x, _ = _fusable()
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, copy_activations=True)
+    patched.patch_model()
+    layer = patched.object_patches["diffusion_model.single_blocks.0.linear1.forward"]
+    gelu = patched.object_patches["diffusion_model.single_blocks.0.mlp_act.forward"]
+    assert layer.activation_copy
+    with torch.no_grad():
+        layer(x)  # the guard's call
+        out = layer(x)
+    qkv, mlp = torch.split(out, [144, 96], dim=-1)
+    assert not mlp.is_contiguous()
+    passed = gelu(mlp)
+    assert passed.is_contiguous() and passed.shape == mlp.shape and torch.equal(passed, mlp)
+    assert gelu(qkv) is not None and not torch.equal(gelu(qkv), qkv)  # not activated: ComfyUI's GELU runs
+    tail = mlp[..., 8:]  # activated columns, but not the copied block: the slice passes as it is
+    assert pl.activated_copy(tail) is None and gelu(tail) is tail
+    patched.detach()
+
+
+def test_copy_layer_without_a_copying_method_leaves_the_gelu_to_comfyui(gelu_calls):
+    """INT8 (no activation_out): the single block's linear1 runs unfused, its guard compares
+    against ComfyUI's unactivated output, and the block's GELU runs as in ComfyUI."""
+    _method_available("int8")
+    base, x, expected = _fusable()
+    patched = pl.patch_linear_model(base, FORCED["int8"], skip="", min_tokens=16, copy_activations=True)
+    patched.patch_model()
+    layer = patched.object_patches["diffusion_model.single_blocks.0.linear1.forward"]
+    assert layer.activation_copy and not layer.fuses("int8_w8a8") and layer.fuses("fp8_w8a8")
+    gelu_calls.clear()
+    with torch.no_grad():
+        layer(x), layer(x)
+    assert _linear_stats()["served"] == 2 and gelu_calls == []
+    patched.detach()
 
 
 def test_is_activated_follows_views_of_the_marked_output():
