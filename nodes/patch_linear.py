@@ -238,9 +238,36 @@ def is_linear_module(module: torch.nn.Module) -> bool:
     return isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
+_MISSING = object()
+_class_has: dict[tuple[type, str], bool] = {}
+
+
+def module_attr(module: torch.nn.Module, name: str, default=None):
+    """getattr(module, name, default) without nn.Module.__getattr__ raising (and catching) an
+    AttributeError for a name the module lacks: the Linear call path probes several such names
+    (layout_type, _v, scale_weight...) on every call, microseconds each. Same answer as getattr:
+    class attributes and descriptors through the normal lookup, then the instance's own
+    attributes, parameters, buffers and submodules."""
+    cls = type(module)
+    has = _class_has.get((cls, name))
+    if has is None:
+        has = _class_has[(cls, name)] = any(name in c.__dict__ for c in cls.__mro__)
+    if has:
+        return getattr(module, name, default)
+    d = module.__dict__
+    value = d.get(name, _MISSING)
+    if value is not _MISSING:
+        return value
+    for store in ("_parameters", "_buffers", "_modules"):
+        values = d.get(store)
+        if values is not None and name in values:
+            return values[name]
+    return default
+
+
 def _is_quantized_layer(module, weight) -> bool:
     # QuantizedTensor (and any other tensor subclass) survives nn.Parameter() as its own type.
-    return (getattr(module, "layout_type", None) is not None or getattr(module, "quant_format", None) is not None
+    return (module_attr(module, "layout_type") is not None or module_attr(module, "quant_format") is not None
             or type(weight) not in (torch.nn.Parameter, torch.Tensor))
 
 
@@ -484,7 +511,7 @@ class LinearLayer:
         # resolve_cast_module_with_vbar) when asked for in the compute dtype; asked for as FP8
         # they would run on e4m3 values, so FP8 weights with them go back (ComfyUI's own FP8
         # Linear does the same).
-        if ((len(getattr(module, "weight_function", ())) or len(getattr(module, "bias_function", ())))
+        if ((len(module_attr(module, "weight_function", ())) or len(module_attr(module, "bias_function", ())))
                 and (not streamed or weight.dtype == torch.float8_e4m3fn)):
             raise HandBack(REASON_WEIGHT_FUNCTION)
         fallback = self.fallbacks.get(str(x.device)) if ours else None
@@ -492,7 +519,8 @@ class LinearLayer:
             raise HandBack(REASON_GUARD if fallback.startswith("quality guard") else REASON_KERNEL_ERROR)
         bias = module.bias
         if not streamed and (weight.device != x.device or (bias is not None and bias.device != x.device)):
-            raise HandBack(REASON_DYNAMIC_VRAM if hasattr(module, "_v") else REASON_OFFLOADED)
+            raise HandBack(REASON_DYNAMIC_VRAM if module_attr(module, "_v", _MISSING) is not _MISSING
+                           else REASON_OFFLOADED)
         if x.dtype not in INPUT_DTYPES:
             raise HandBack(f"input dtype {x.dtype} is not float16/bfloat16/float32")
         if weight.dtype not in WEIGHT_DTYPES:
@@ -589,7 +617,7 @@ class LinearPatchState:
 
     def weight_key(self, module, device: torch.device) -> tuple:
         w = module.weight
-        scale = getattr(module, "scale_weight", None)
+        scale = module_attr(module, "scale_weight")
         scale_key = None if scale is None else (id(scale), scale.data_ptr(), _weight_version(scale))
         return (id(w), w.data_ptr(), _weight_version(w), str(device), w.dtype, self.weights_token, scale_key)
 
@@ -924,7 +952,8 @@ class ComfyWeightCast:
     def streams(self, module, x) -> bool:
         """ComfyUI streams this layer's weight for this call (cast_bias_weight's VBAR branch:
         a VBAR slot, a CUDA input and the parameters elsewhere)."""
-        if not hasattr(module, "_v") or not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        if (module_attr(module, "_v", _MISSING) is _MISSING or not isinstance(x, torch.Tensor)
+                or x.device.type != "cuda"):
             return False
         weight = getattr(module, "weight", None)
         return isinstance(weight, torch.Tensor) and weight.device != x.device

@@ -366,6 +366,30 @@ def test_served_layer_matches_linear(mode, dtype, shape):
     assert _rel_l2(second, ref) < LAYER_TOL[mode]
 
 
+def test_module_attr_answers_as_getattr():
+    """pl.module_attr skips nn.Module.__getattr__'s exception for missing names; for every other
+    kind of name it must give what getattr gives."""
+    class WithProperty(ComfyLinear):
+        layout_type = None  # class attribute
+
+        @property
+        def quant_format(self):
+            return "int8"
+
+    module = WithProperty(4, 4)
+    module.scale_weight = torch.nn.Parameter(torch.ones(()), requires_grad=False)
+    module.register_buffer("_v", torch.zeros(1))
+    module.child = torch.nn.Identity()
+    module.note = "set on the instance"
+    for name in ("weight", "bias", "scale_weight", "_v", "child", "note", "layout_type", "quant_format",
+                 "weight_function", "comfy_cast_weights", "missing", "forward"):
+        expected = getattr(module, name, "default")
+        got = pl.module_attr(module, name, "default")
+        assert got is expected or (callable(expected) and got == expected), name
+    module.layout_type = "set later"  # an instance attribute over the class one
+    assert pl.module_attr(module, "layout_type") == "set later"
+
+
 def test_served_layer_repeats_a_remembered_call_until_the_weight_changes():
     """kernels.linear remembers a served call's signature (its DirectCall, real on CUDA) on the
     prepared weight: the layer's calls must give it the same key every time (the module's
