@@ -354,12 +354,8 @@ def _shared_dispatch(method, x, weight, scale, bias, rotation, out_dtype, act: i
                      act_out=None):
     # The pack may be imported twice under different names; the ops are registered by the
     # first copy, so every copy dispatches through that one's function.
-    dispatch = stats.shared().linear_dispatch
-    if act_out is not None:
-        return dispatch(method, x, weight, scale, bias, rotation, out_dtype, act, act_from, act_out=act_out)
-    if act:
-        return dispatch(method, x, weight, scale, bias, rotation, out_dtype, act, act_from)
-    return dispatch(method, x, weight, scale, bias, rotation, out_dtype)
+    extra = {} if act_out is None else {"act_out": act_out}
+    return stats.shared().linear_dispatch(method, x, weight, scale, bias, rotation, out_dtype, act, act_from, **extra)
 
 
 def _op_registered(method: str) -> bool:
