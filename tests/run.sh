@@ -12,7 +12,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/requirements.txt
 
-report=$(mktemp -d)/junit.xml
+report_dir=$(mktemp -d)
+trap 'rm -rf "$report_dir"' EXIT
+report=$report_dir/junit.xml
 set +e
 "$venv/bin/python" -m pytest -ra --junitxml="$report" "$@"
 rc=$?
