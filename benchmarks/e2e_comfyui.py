@@ -23,6 +23,9 @@ with:
                ComfyUI (none in our GEMM epilogue): the fusion's before/after in one run
   ours-linear-copy / ours-all-copy  ours-linear / ours-all with Flux's single-block GELU fused
                too, through the GEMM's contiguous copy (patch_linear_model copy_activations)
+  <variant>+compile  that variant with ComfyUI's TorchCompileModel (inductor) applied last, as
+               a user's graph puts it after the patch nodes ("default+compile" is ComfyUI's
+               own compiled model); the first call, which compiles, is left out of the timing
 and reports each variant's ms/step, its ratio to the default, the relative L2 difference and
 cosine of its output against the default's, the first call's time (auto's timing and the
 weight quantisation happen there) and the peak GPU memory.
@@ -215,12 +218,24 @@ def step_fn(patcher, x, t, context, kwargs):
     # transformer_options handed to apply_model.
     def run():
         to = copy.copy(patcher.model_options.get("transformer_options", {}))
+        # and what comfy.sampler_helpers.prepare_model_patcher adds: the patcher's wrappers
+        # (TorchCompileModel's lives there) and callbacks.
+        import comfy.patcher_extension as pe
+
+        to["wrappers"] = pe.merge_nested_dicts(pe.copy_nested_dicts(to.get("wrappers", {})), patcher.wrappers)
+        to["callbacks"] = pe.merge_nested_dicts(pe.copy_nested_dicts(to.get("callbacks", {})), patcher.callbacks)
         with torch.no_grad():
             return patcher.model.apply_model(x, t, c_crossattn=context, transformer_options=to, **kwargs)
     return run
 
 
-def time_steps(run, steps, device):
+# Warm-up calls of a +compile variant: dynamo recompiles ComfyUI's WrapperExecutor.execute on
+# each call (it guards on a bound method made per call) until its recompile limit (8) leaves
+# that frame eager; the steps timed after are the steady state a user's sampler reaches.
+COMPILE_WARMUP = int(os.environ.get("E2E_COMPILE_WARMUP", "9"))
+
+
+def time_steps(run, steps, device, warmup: int = 1):
     """(median ms per step, last output, first call's ms)."""
     import torch
 
@@ -229,6 +244,8 @@ def time_steps(run, steps, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
+    for _ in range(warmup - 1):
+        out = run()
     times, gc_ms, host_ms = [], [], []
     pauses = GcPauses()
     sync_debug = os.environ.get("E2E_SYNC_DEBUG") and device.type == "cuda"
@@ -379,7 +396,25 @@ def fast_launch_state() -> dict:
     return {"enabled": bool(dl.ENABLED), "verified_plans": dl.verified_count()}
 
 
+COMPILED_SUFFIX = "+compile"
+
+
+def compile_like_the_node(patcher):
+    """What ComfyUI's TorchCompileModel node returns for this model (backend inductor)."""
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+
+    return TorchCompileModel.execute(patcher, "inductor").result[0]
+
+
 def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False):
+    row = run_variant_uncompiled(name, variant.removesuffix(COMPILED_SUFFIX), base, x, t, context, kwargs, steps,
+                                 device, ref, dynamic_vram, compiled=variant.endswith(COMPILED_SUFFIX))
+    row["variant"] = variant
+    return row
+
+
+def run_variant_uncompiled(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False,
+                           compiled=False):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -405,6 +440,11 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
             return dict(model=name, variant=variant, error=f"patch failed: {type(e).__name__}: {e}"[:300])
     elif variant not in ("default", "comfy-fp8-fast"):
         return dict(model=name, variant=variant, error="unknown variant")
+    if compiled:
+        try:
+            patcher = compile_like_the_node(patcher)
+        except Exception as e:
+            return dict(model=name, variant=variant, error=f"TorchCompileModel failed: {type(e).__name__}: {e}"[:300])
     call_stats.reset()
     kernel_stats = sys.modules["triton_accel_bench.kernels"].stats
     kernel_stats.reset()
@@ -419,7 +459,8 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
         # transformer_options). Unloaded after, so the next variant starts from the plain model.
         comfy.model_management.load_models_gpu([patcher], force_full_load=True)
         with ctx:
-            ms, out, first_ms = time_steps(step_fn(patcher, x, t, context, kwargs), steps, device)
+            ms, out, first_ms = time_steps(step_fn(patcher, x, t, context, kwargs), steps, device,
+                                           warmup=COMPILE_WARMUP if compiled else 1)
             if os.environ.get("E2E_KPROFILE") and device.type == "cuda":
                 kernel_profile_step(step_fn(patcher, x, t, context, kwargs), Path(os.environ["E2E_KPROFILE"]),
                                     f"{name}_{variant}{'_dynamic' if dynamic_vram else ''}")
@@ -436,6 +477,8 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
         return dict(model=name, variant=variant, error=f"{type(e).__name__}: {e}"[:300])
     finally:
         comfy.model_management.unload_all_models()
+        if compiled:  # the next variant compiles its own forwards, within dynamo's recompile limit
+            torch._dynamo.reset()
     out = out.float()
     base_out = out if ref is None else ref
     diff = ((out - base_out).norm() / base_out.norm()).item()
@@ -456,7 +499,7 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
                paths=snap["paths"], linear_paths=snap.get("kinds", {}).get("linear", {}).get("paths", {}),
                linear_reasons=snap.get("kinds", {}).get("linear", {}).get("reasons", {}),
                kernel_calls=dict(kernel_stats.counts()), out=out)
-    print(f"[{name}] {variant}: {ms:.1f} ms/step (first call {first_ms:.0f} ms), rel L2 {diff:.2e}, "
+    print(f"[{name}] {variant}{COMPILED_SUFFIX if compiled else ''}: {ms:.1f} ms/step (first call {first_ms:.0f} ms), rel L2 {diff:.2e}, "
           f"cos {cos:.6f}, peak {peak:.1f} GiB (device {device_used:.1f} GiB in use), calls {row['calls']} "
           f"{row['linear_paths']}; steps {[round(t, 1) for t in row['step_ms']]} ms, host {row['step_host_ms']} ms, "
           f"gc {row['step_gc_ms']} ms, direct launch {row['fast_launch']}", flush=True)
@@ -539,7 +582,7 @@ def main():
             ref = torch.load(args.ref_file).to(device)
         # Variants grouped by the weights they need: one full-size model in memory at a time.
         for weights in ("bf16", "fp8-fast", "fp8"):
-            todo = [v for v in args.variants if WEIGHTS_OF.get(v, "bf16") == weights]
+            todo = [v for v in args.variants if WEIGHTS_OF.get(v.removesuffix(COMPILED_SUFFIX), "bf16") == weights]
             if not todo:
                 continue
             t_build = time.perf_counter()
@@ -630,14 +673,20 @@ def write_report(args, meta: dict, results: list) -> None:
         defaults = [r["ms_per_step"] for r in results if r["model"] == name and r["variant"] == "default"
                     and "ms_per_step" in r]
         default = statistics.median(defaults) if defaults else None
+        compiled = [r["ms_per_step"] for r in results if r["model"] == name
+                    and r["variant"] == "default" + COMPILED_SUFFIX and "ms_per_step" in r]
+        compiled_default = statistics.median(compiled) if compiled else None
         for r in (r for r in results if r["model"] == name):
             if "error" in r:
                 print(f"{name:6} {r['variant']:15} {'-':>9} {'-':>10} {'-':>9}  {r['error']}")
                 continue
             ratio = default / r["ms_per_step"] if default else float("nan")
+            # compiled variants also against ComfyUI's own compiled model
+            vs_compiled = (f" ({compiled_default / r['ms_per_step']:.3f}x default{COMPILED_SUFFIX})"
+                           if compiled_default and r["variant"].endswith(COMPILED_SUFFIX) else "")
             print(f"{name:6} {r['variant']:15} {r['ms_per_step']:9.1f} {ratio:9.3f}x {r['rel_l2_vs_default']:9.2e}"
                   f" {r['cosine_vs_default']:9.6f} {r['first_call_ms']:9.0f} {r['peak_gib']:8.1f}  {r['calls']} "
-                  f"{r.get('kernel_calls', {})}")
+                  f"{r.get('kernel_calls', {})}{vs_compiled}")
     # A variant run more than once (an ABBA order): the median of its runs' ms/step.
     for name in args.models:
         by_variant: dict[str, list] = {}

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -122,6 +123,7 @@ def direct_call_agreement(gen) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", type=int, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -186,6 +188,8 @@ def main():
         "kernels.linear fp8_w8a8 + gelu epilogue": lambda: kernels.linear(x, prepared, b, activation="gelu_tanh"),
         "LinearLayer (node path)": lambda: layer(x),
         "LinearLayer with fused GELU": lambda: fused(x),
+        # what a torch.compile'd graph calls per layer (the eager path behind one custom op)
+        "patched_linear op (compiled graph's call)": lambda: torch.ops.triton_accel.patched_linear(x, layer.token),
         "nn.Linear forward, 512 tokens": lambda: module(small),
         "LinearLayer, 512 tokens (handed back)": lambda: layer(small),
         "LinearLayer, skipped by name (handed back)": lambda: skipped(x),
@@ -195,14 +199,30 @@ def main():
         "attention override, auto (ComfyUI's call)": lambda: override(comfy_attention, q, k, v, 24, skip_reshape=True,
                                                                       skip_output_reshape=True),
     }
-    rows = []
+    # The host's speed drifts within a process (session 21: the same call 1.5x slower minutes
+    # later), so every path is timed in each of --rounds rounds, the order rotated per round,
+    # and its row gives the fastest round (and the median): paths compare within one round's drift.
+    samples: dict[str, list] = {name: [] for name in paths}
+    errors: dict[str, str] = {}
+    names = list(paths)
     with torch.no_grad():
-        for name, fn in paths.items():
-            try:
-                rows.append(dict(path=name, us=per_call_us(fn, args.calls)))
-            except Exception as e:
-                rows.append(dict(path=name, error=f"{type(e).__name__}: {e}"[:300]))
-            print(rows[-1], flush=True)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                if name in errors:
+                    continue
+                try:
+                    samples[name].append(per_call_us(paths[name], args.calls))
+                except Exception as e:
+                    errors[name] = f"{type(e).__name__}: {e}"[:300]
+    rows = []
+    for name in names:
+        if name in errors:
+            rows.append(dict(path=name, error=errors[name]))
+        else:
+            rows.append(dict(path=name, us=min(samples[name]), median_us=statistics.median(samples[name]),
+                             rounds=[round(v, 1) for v in samples[name]]))
+        print(rows[-1], flush=True)
+    with torch.no_grad():
         profiles = {}
         for name in ("LinearLayer with fused GELU", "kernels.attention fp8", "attention override, auto (ComfyUI's call)"):
             try:
@@ -219,9 +239,10 @@ def main():
     for name, text in profiles.items():
         print(f"\n==== cProfile, {args.profile} calls: {name}\n{text}")
     print(f"\ncall stats (auto's choice for the override): {json.dumps(report['call_stats'])[:1500]}")
-    print("\nhost time per call (us; tiny tensors, so the GPU waits on the host)")
+    print(f"\nhost time per call (us; tiny tensors, so the GPU waits on the host): fastest / median of "
+          f"{args.rounds} rounds")
     for r in rows:
-        print(f"{r['path']:45s} {r['us']:8.1f}" if "us" in r else f"{r['path']:45s} {r['error']}")
+        print(f"{r['path']:45s} {r['us']:8.1f} {r['median_us']:8.1f}" if "us" in r else f"{r['path']:45s} {r['error']}")
     good = sum(r["ok"] for r in agreement)
     print(f"\nDirectCall agreement (bit-equal to the checked path and copies to their columns, served from "
           f"the 3rd call): "

@@ -5,17 +5,23 @@ skip_reshape=False, skip_output_reshape=False, **kwargs)`, and `wrap_attn` hands
 to `transformer_options["optimized_attention_override"](func, *args, **kwargs)` when a model
 carries one. The override below adapts such a call to `kernels.attention` and hands
 everything it cannot serve, unchanged, to `func` (or to an override that was there before).
+
+Under torch.compile (ComfyUI's TorchCompileModel) a traced call records one opaque op,
+triton_accel::patched_attention (compiled_ops), whose run time is the eager override on the
+call restated in [B, H, L, D] form (skip_reshape): auto times and guards there as without
+compile, and `func` is found again by its module and name for the calls it hands back.
 """
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
 from .. import __version__ as PACK_VERSION
 from .. import kernels
 from ..kernels import extensions
-from . import call_stats
+from . import call_stats, compiled_ops
 from .device_probe import probe
 from ..kernels.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
 from ..kernels.registry import BackendUnavailableError
@@ -123,7 +129,7 @@ def adapt_call(args: tuple, kwargs: dict) -> dict:
         if mask.dtype != torch.bool and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
     return {"q": q, "k": k, "v": v, "mask": mask, "scale": kwargs.get("scale"), "batch": b,
-            "heads": out_heads, "dim_head": dim_head,
+            "heads": out_heads, "dim_head": dim_head, "attn_precision": call.get("attn_precision"),
             "skip_output_reshape": bool(call.get("skip_output_reshape", False))}
 
 
@@ -136,6 +142,7 @@ class AttentionOverride:
         self.label = label  # call_stats' name for the patched clone ("Flux #1"), per-model counts
         self._usable: dict = {}
         self._extension_paths: dict = {}
+        self.token = compiled_ops.register(self)  # what a compiled graph's patched_attention op names it by
 
     def __deepcopy__(self, memo):
         return self
@@ -187,6 +194,49 @@ class AttentionOverride:
         return func(*args, **kwargs)
 
     def __call__(self, func, *args, **kwargs):
+        if _is_compiling():
+            return self._traced(func, args, kwargs)
+        return self._eager(func, args, kwargs)
+
+    def _traced(self, func, args, kwargs):
+        """What a torch.compile trace records for this call: the patched_attention op, or the
+        original call traced as it is where the op could not restate it (settings off, a call
+        adapt_call refuses, a `func` not reachable by module and name)."""
+        name = _function_name(func)
+        call = None
+        if self.settings.mode != "off" and name is not None:
+            try:
+                call = adapt_call(args, kwargs)
+            except Unsupported:
+                call = None
+        if call is not None and torch.is_grad_enabled() and any(call[t].requires_grad for t in "qkv"):
+            call = None  # the op has no backward; the traced function keeps the call differentiable
+        if call is None:
+            if self.previous is not None:
+                return self.previous(func, *args, **kwargs)
+            return func(*args, **kwargs)
+        q, k = call["q"], call["k"]
+        return torch.ops.triton_accel.patched_attention(
+            q, k, call["v"], call["mask"], call["scale"], call["attn_precision"], call["skip_output_reshape"],
+            kwargs.get("low_precision_attention", True) is False, q.shape[1] != k.shape[1], self.token, name)
+
+    def compiled_call(self, q, k, v, mask, scale, attn_precision, skip_output_reshape: bool, full_precision: bool,
+                      enable_gqa: bool, function: str) -> torch.Tensor:
+        """The run time of a traced call (the patched_attention op): the eager override on the
+        same call in [B, H, L, D] form, contiguous as the op's fake promised."""
+        # _inside_attn_wrapper: as wrap_attn passes it (our override is not asked again).
+        kwargs = {"mask": mask, "attn_precision": attn_precision, "skip_reshape": True,
+                  "skip_output_reshape": skip_output_reshape, "_inside_attn_wrapper": True}
+        # Only what the traced call passed: ComfyUI's functions default these themselves.
+        if scale is not None:
+            kwargs["scale"] = scale
+        if enable_gqa:
+            kwargs["enable_gqa"] = True
+        if full_precision:
+            kwargs["low_precision_attention"] = False
+        return self._eager(_resolve_function(function), (q, k, v, q.shape[1]), kwargs).contiguous()
+
+    def _eager(self, func, args, kwargs):
         try:
             call = adapt_call(args, kwargs)
         except Unsupported as e:
@@ -235,15 +285,6 @@ class AttentionOverride:
             cls = shape_class(q, k, mask)
             key = "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
                             f"pack {PACK_VERSION}", "+".join(usable), cls])
-            if _is_compiling():
-                # No timing inside a trace: use an earlier measurement, else stay on ComfyUI's.
-                known = _speed().known(key)
-                if known not in usable:
-                    return self._original(func, args, kwargs, "auto: not measured yet (torch.compile)")
-                out = runner(known)()  # counted once served: an extension may still hand it back
-                call_stats.record("triton", path=known, model=self.label)
-                return out
-
             def original():
                 return (self.previous(func, *args, **kwargs) if self.previous is not None
                         else func(*args, **kwargs))
@@ -266,6 +307,58 @@ class AttentionOverride:
         out = runner(usable[0])()
         call_stats.record("triton", path=usable[0], model=self.label)
         return out
+
+
+@torch._dynamo.assume_constant_result  # run as Python at trace time (dynamo misreads __qualname__)
+def _function_name(func) -> str | None:
+    """"module:qualname" of a module-level function (ComfyUI's attention_* functions), which a
+    compiled graph's op resolves again at run time; None for closures and lambdas."""
+    module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
+    if not module or not qualname or "<" in qualname:
+        return None
+    return f"{module}:{qualname}"
+
+
+_resolved: dict[str, object] = {}
+
+
+def _resolve_function(name: str):
+    """The function _function_name named: the module's attribute, unwrapped (wrap_attn hands the
+    override the function it decorates, so that is what the name was read from)."""
+    func = _resolved.get(name)
+    if func is None:
+        module, qualname = name.split(":", 1)
+        func = sys.modules.get(module)
+        if func is None:
+            raise RuntimeError(f"Triton Accel attention: module {module} of a compiled call's function is not loaded")
+        for part in qualname.split("."):
+            func = getattr(func, part)
+        func = _resolved[name] = getattr(func, "__wrapped__", func)
+    return func
+
+
+COMPILED_OP = "patched_attention"
+
+
+def _register_compiled_op() -> None:
+    if compiled_ops.op_registered(COMPILED_OP):
+        return  # registered by another copy of the pack: its op reads the same table
+
+    @torch.library.custom_op(f"triton_accel::{COMPILED_OP}", mutates_args=())
+    def patched_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float | None, attn_precision: torch.dtype | None, skip_output_reshape: bool,
+                          full_precision: bool, enable_gqa: bool, override: int, function: str) -> torch.Tensor:
+        return compiled_ops.lookup(override, "attention override").compiled_call(
+            q, k, v, mask, scale, attn_precision, skip_output_reshape, full_precision, enable_gqa, function)
+
+    @patched_attention.register_fake
+    def _(q, k, v, mask, scale, attn_precision, skip_output_reshape, full_precision, enable_gqa, override, function):
+        b, h, lq = q.shape[0], q.shape[1], q.shape[2]
+        d = v.shape[-1]
+        return q.new_empty((b, h, lq, d) if skip_output_reshape else (b, lq, h * d))
+
+
+_register_compiled_op()
 
 
 def patch_model(model, settings: AccelSettings | None = None):

@@ -37,6 +37,13 @@ How, and why this way:
   (FusedActivation) that passes a marked tensor through (the copy, when it asks for exactly
   the copied columns) and runs the GELU on anything else. So every call ComfyUI's Linear (or
   an extension) serves is activated exactly once, as before, and only ours is fused.
+- torch.compile (ComfyUI's TorchCompileModel): a traced call becomes one opaque op,
+  triton_accel::patched_linear(x, layer token), whose run time takes the eager path above
+  (checks, preparation, guard, hand-back, extensions) with the activation left unfused (the
+  traced GELU module runs it). Tracing the eager path instead baked its first answer into the
+  graph (weights are prepared on a first call, so every layer was handed back for good) and
+  broke the graph at its locks and exceptions. A name-skipped layer, a call with other
+  arguments and a call autograd records are traced as ComfyUI's own Linear.
 - Other packs' Linear (kernels/extensions.py register_linear): forced by the Settings node's
   `linear` "ext:<name>", or in auto walked by priority with ours where auto runs ours
   (extension_plan). They get the weight in the input's dtype (ComfyUI's cast under dynamic
@@ -45,6 +52,7 @@ How, and why this way:
 """
 from __future__ import annotations
 
+import contextvars
 import fnmatch
 import logging
 import re
@@ -61,7 +69,7 @@ from ..kernels import extensions
 from ..kernels.gpu_rules import LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY, LINEAR_INT8_W8A8, PATH_PYTORCH
 from ..kernels.linear import PRIORITY as OUR_PRIORITY
 from ..kernels.registry import BackendUnavailableError
-from . import call_stats
+from . import call_stats, compiled_ops
 from .settings import SEARCH_ALIASES as ATTENTION_SEARCH_ALIASES
 from .settings import SETTINGS_TYPE, AccelSettings, default_device, patched_model_text
 from .speed_choice import LOSSLESS_BAR, comfy_progress_bar
@@ -126,11 +134,9 @@ REASON_STREAMED_PER_CALL_OFF = ("16/32-bit weights streamed by dynamic VRAM: per
                                 "model (dynamic_vram 'fp8_weights_only'; it costs one layer's FP8 copy and a pass "
                                 "over the weight per call)")
 REASON_DYNAMIC_VRAM_OFF = "weights streamed by ComfyUI's dynamic VRAM: this model's dynamic_vram is 'off'"
-REASON_STREAMED_COMPILING = "weights streamed by dynamic VRAM: torch.compile traces ComfyUI's own cast"
 REASON_GUARD = "quality guard: this layer's output differed from ComfyUI's (see linear_fallbacks)"
 REASON_KERNEL_ERROR = "our kernel raised an error on this layer (see the log)"
-REASON_COMPILING = "weights not prepared yet (torch.compile traces the first call)"
-REASON_EXT_COMPILING = "Linear extensions run eagerly only (torch.compile is tracing this call)"
+REASON_AUTOGRAD = "autograd is recording this call (our kernels have no backward): ComfyUI's Linear keeps it differentiable"
 REASON_EXT_GUARD = "quality guard: {path} differed from ComfyUI's Linear on this layer (see linear_fallbacks)"
 
 
@@ -285,6 +291,34 @@ def _is_compiling() -> bool:
         return False
 
 
+# ---- torch.compile: one opaque op per traced call (compiled_ops) -------------------------------
+
+# Set while a compiled graph's patched_linear op runs a layer's eager path: the GELU module
+# after it was traced as ComfyUI's and applies the activation itself.
+_UNFUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("triton_accel_linear_unfused", default=False)
+COMPILED_OP = "patched_linear"
+
+
+def _layer(token: int):
+    return compiled_ops.lookup(token, "Linear layer")
+
+
+def _register_compiled_op() -> None:
+    if compiled_ops.op_registered(COMPILED_OP):
+        return  # registered by another copy of the pack: its op reads the same table
+
+    @torch.library.custom_op(f"triton_accel::{COMPILED_OP}", mutates_args=())
+    def patched_linear(x: torch.Tensor, layer: int) -> torch.Tensor:
+        return _layer(layer).compiled_call(x)
+
+    @patched_linear.register_fake
+    def _(x, layer):
+        return x.new_empty((*x.shape[:-1], _layer(layer).out_features()))
+
+
+_register_compiled_op()
+
+
 class LinearLayer:
     """The object patch that replaces one layer's forward; shared by clones, never copied."""
 
@@ -307,6 +341,7 @@ class LinearLayer:
         # guard passed on, and (extension generation, reason) where it failed the guard.
         self.ext_guarded: dict[tuple[str, str], tuple] = {}
         self.ext_fallbacks: dict[tuple[str, str], tuple[int, str]] = {}
+        self.token = compiled_ops.register(self)  # what a compiled graph's patched_linear op names it by
 
     def __deepcopy__(self, memo):
         return self
@@ -316,8 +351,33 @@ class LinearLayer:
         return self.previous(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        compiling = _is_compiling()
-        if not compiling and self.state.interrupt_check is not None:
+        if _is_compiling():
+            return self._traced(args, kwargs)
+        return self._eager(args, kwargs)
+
+    def _traced(self, args, kwargs):
+        """What a torch.compile trace records for this call: the opaque op (its run time is
+        _eager, unfused), or ComfyUI's Linear traced as it is where our path could never serve."""
+        if (self.skip_reason is not None or len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor)
+                or torch.is_grad_enabled()):
+            return self.previous(*args, **kwargs)
+        return torch.ops.triton_accel.patched_linear(args[0], self.token)
+
+    def compiled_call(self, x: torch.Tensor) -> torch.Tensor:
+        """The run time of a traced call (the patched_linear op): the eager path without the fused
+        activation, in x's dtype as the op's fake promised."""
+        unfused = _UNFUSED.set(True)
+        try:
+            out = self._eager((x,), {})
+        finally:
+            _UNFUSED.reset(unfused)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def out_features(self) -> int:
+        return int(self.module.weight.shape[0])
+
+    def _eager(self, args, kwargs):
+        if self.state.interrupt_check is not None:
             self.state.interrupt_check()  # what ComfyUI's Linear.forward does first (Cancel)
         if self.skip_reason is not None:
             # Every path below hands a name-skipped layer back first thing; a Flux step makes
@@ -326,14 +386,14 @@ class LinearLayer:
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             plan = self.state.extension_plan(args[0].device, self.module.weight)
             if plan is not None:
-                return self._call_with_extensions(args[0], plan, compiling)
+                return self._call_with_extensions(args[0], plan)
         if len(args) == 1 and not kwargs and self.state.weight_cast.streams(self.module, args[0]):
-            return streamed_call(self, args[0], compiling)
+            return streamed_call(self, args[0])
         try:
             if len(args) != 1 or kwargs:
                 raise HandBack(REASON_ARGUMENTS)
             x = args[0]
-            entry = self.state.entry_for(self, x, compiling)
+            entry = self.state.entry_for(self, x)
         except HandBack as e:
             return self._original(args, kwargs, str(e))
         return self._run_ours(x, entry)
@@ -350,7 +410,7 @@ class LinearLayer:
         return out
 
     # -- other packs' Linear (kernels/extensions.py)
-    def _call_with_extensions(self, x, plan: tuple, compiling: bool):
+    def _call_with_extensions(self, x, plan: tuple):
         """Walk the plan (extensions above ours, ours, extensions below) in priority order: the
         first that accepts the call serves it. A failure (an extension's or ours) sends this call
         to ComfyUI's Linear; refusals move on, and with none left ComfyUI's Linear serves, every
@@ -364,26 +424,26 @@ class LinearLayer:
         reasons: list[str] = []
         try:
             for path in before:
-                out = self._try_extension(path, x, streamed, compiling, reasons)
+                out = self._try_extension(path, x, streamed, reasons)
                 if out is not None:
                     return out
             if ours:
                 if streamed:
                     try:
-                        planned = _streamed_plan(self, x, compiling)
+                        planned = _streamed_plan(self, x)
                     except HandBack as e:
                         reasons.append(str(e))
                     else:
                         return _streamed_run(self, x, *planned)
                 else:
                     try:
-                        entry = self.state.entry_for(self, x, compiling)
+                        entry = self.state.entry_for(self, x)
                     except HandBack as e:
                         reasons.append(str(e))
                     else:
                         return self._run_ours(x, entry)
             for path in after:
-                out = self._try_extension(path, x, streamed, compiling, reasons)
+                out = self._try_extension(path, x, streamed, reasons)
                 if out is not None:
                     return out
         except ExtensionHandBack as e:
@@ -393,16 +453,13 @@ class LinearLayer:
             return e.reference
         return self._original((x,), {}, "; ".join(dict.fromkeys(reasons)) or "no Linear candidate")
 
-    def _try_extension(self, path: str, x, streamed: bool, compiling: bool, reasons: list):
+    def _try_extension(self, path: str, x, streamed: bool, reasons: list):
         """The extension's output for this call, or None with the reason appended (it refuses);
         raises ExtensionHandBack when it fails (the call goes to ComfyUI's Linear)."""
         state, module, where = self.state, self.module, str(x.device)
         dropped = self.ext_fallbacks.get((where, path))
         if dropped is not None and dropped[0] == extensions.generation():
             reasons.append(REASON_EXT_GUARD.format(path=path))
-            return None
-        if compiling:
-            reasons.append(f"{path}: {REASON_EXT_COMPILING}")
             return None
         refusal = extensions.linear_shape_refusal(path, x, tuple(module.weight.shape), module.bias is not None)
         if refusal:
@@ -474,7 +531,7 @@ class LinearLayer:
         tracing (a traced graph keeps no marks), and for a layer whose activated columns need a
         contiguous copy only where `method`'s kernel writes one (else the consumer would get a
         strided slice: ComfyUI's GELU runs instead)."""
-        if self.activation is None or _is_compiling():
+        if self.activation is None or _is_compiling() or _UNFUSED.get():
             return False
         return not self.activation_copy or method in self.state.backend.activation_out_methods
 
@@ -505,6 +562,8 @@ class LinearLayer:
             raise HandBack(REASON_INPUT_TYPE)
         module = self.module
         weight = module.weight
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            raise HandBack(REASON_AUTOGRAD)
         if _is_quantized_layer(module, weight):
             raise HandBack(REASON_QUANTIZED)
         # A streamed weight has its _function lists applied by ComfyUI's cast (post_cast in
@@ -621,7 +680,7 @@ class LinearPatchState:
         scale_key = None if scale is None else (id(scale), scale.data_ptr(), _weight_version(scale))
         return (id(w), w.data_ptr(), _weight_version(w), str(device), w.dtype, self.weights_token, scale_key)
 
-    def entry_for(self, layer: LinearLayer, x, compiling: bool = False) -> PreparedEntry:
+    def entry_for(self, layer: LinearLayer, x) -> PreparedEntry:
         """The prepared weight that serves this call (preparing the model's layers if it is
         stale), or HandBack with the reason."""
         layer.check_call(x, self.min_tokens)
@@ -632,8 +691,6 @@ class LinearPatchState:
             raise HandBack(refusal)
         entry = layer.entries.get(str(device))
         if entry is None or entry.method != method or entry.key != self.weight_key(layer.module, device):
-            if compiling:
-                raise HandBack(REASON_COMPILING)
             self.prepare_all(device)
             entry = layer.entries.get(str(device))
             if entry is None:  # prepare_all found the layer unusable on this device after all
@@ -985,14 +1042,12 @@ class StreamedEntry:
 FP8_METHODS = (LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY)
 
 
-def _streamed_plan(layer: LinearLayer, x: torch.Tensor, compiling: bool) -> tuple[str, torch.dtype, StreamedEntry]:
+def _streamed_plan(layer: LinearLayer, x: torch.Tensor) -> tuple[str, torch.dtype, StreamedEntry]:
     """(method, dtype to ask ComfyUI's cast for, guard entry), or HandBack: every check that
     needs no cast."""
     state = layer.state
     if state.dynamic_vram == DYNAMIC_VRAM_OFF:
         raise HandBack(REASON_DYNAMIC_VRAM_OFF)
-    if compiling:
-        raise HandBack(REASON_STREAMED_COMPILING)
     layer.check_call(x, state.min_tokens, streamed=True)
     weight = layer.module.weight
     stored_fp8 = weight.dtype == torch.float8_e4m3fn
@@ -1047,10 +1102,10 @@ def _run_streamed(layer: LinearLayer, x: torch.Tensor, method: str, weight_dtype
         state.weight_cast.uncast(module, weight, bias, handle)
 
 
-def streamed_call(layer: LinearLayer, x: torch.Tensor, compiling: bool):
+def streamed_call(layer: LinearLayer, x: torch.Tensor):
     """One call of a layer whose weight ComfyUI's dynamic VRAM streams."""
     try:
-        method, weight_dtype, entry = _streamed_plan(layer, x, compiling)
+        method, weight_dtype, entry = _streamed_plan(layer, x)
     except HandBack as e:
         return layer._original((x,), {}, str(e))
     return _streamed_run(layer, x, method, weight_dtype, entry)

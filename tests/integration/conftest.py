@@ -294,6 +294,9 @@ def comfy(tmp_path_factory):
     env = _server_env()
 
     base = tmp_path_factory.mktemp("comfyui-base")
+    # Inductor's caches (precompiled headers among them) are keyed by path, not by torch
+    # version: one shared with another torch on this machine gave C++ errors (at::vec undeclared).
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / "inductor-cache"))
     custom_nodes = base / "custom_nodes"
     custom_nodes.mkdir()
     os.symlink(REPO, custom_nodes / PACK_FOLDER_NAME, target_is_directory=True)

@@ -6,6 +6,7 @@ Through the server (workflows, counters from GET /triton_accel/stats, kind "line
 - a LoRA (LoraLoaderModelOnly) before and after our node moves the output as it does unpatched;
 - UNETLoader weight_dtype fp8_e4m3fn: the FP8 weights go to the kernels as they are;
 - the combined TritonAccelPatch node (attention and Linear, both counted);
+- ComfyUI's TorchCompileModel after it: the compiled graph still runs ours (Flux, Wan);
 - one prompt with the same loaded model sampled unpatched, patched, unpatched, patched again:
   ComfyUI's unpatching restores its Linear exactly, re-patching gives the same result.
 In-process (this file run as a script inside ComfyUI's folder, real ModelPatcher):
@@ -218,6 +219,32 @@ def test_combined_node_patches_attention_and_linear(runs):
     text = " ".join(next(o["text"] for o in run["entry"]["outputs"].values() if "text" in o and any(
         "Linear layers patched" in t for t in o["text"])))
     assert "fp8 forced on the CPU" in text and "fp16 forced on the CPU" in text, text
+
+
+@pytest.mark.parametrize("family", ["flux", "wan21"])
+def test_torch_compile_model_after_our_patch_runs_ours(runs, comfy, family):
+    """ComfyUI's TorchCompileModel (inductor) after TritonAccelPatch: the compiled graph calls our
+    Linear (one opaque op per layer, served at run time) and our attention; the latent matches
+    the same patch uncompiled (the eager run fuses the MLPs' GELU into the GEMM, the compiled
+    one leaves it to the traced GELU: fp32 rounding apart) and the unpatched run within
+    LINEAR_TOL."""
+    if _width(comfy, family) > MAX_INTERPRETED_WIDTH:
+        pytest.skip(f"ComfyUI {comfy.version} builds tiny {family} {_width(comfy, family)} wide: too slow for "
+                    "the Triton interpreter")
+    ours = [linear_patch_item("fp8", attention_mode="fp16", combined=True)]
+    ref = runs.reference(family)
+    eager = runs.sample(family, chain=ours, tag="compile_eager")
+    run = runs.sample(family, chain=ours + [("TorchCompileModel", {"backend": "inductor"})], tag="compiled")
+    served = _served(run)
+    attention = int(run["stats"].get("calls", {}).get("triton", 0))
+    assert attention > 0, f"our attention never ran: {run['stats']}"
+    assert attention == int(eager["stats"].get("calls", {}).get("triton", 0)), (run["stats"], eager["stats"])
+    assert run["linear"]["served"] == eager["linear"]["served"], (run["linear"], eager["linear"])
+    vs_eager, vs_ref = rel_l2(run["latent"], eager["latent"]), rel_l2(run["latent"], ref["latent"])
+    print(f"\n[{family}] TorchCompileModel after TritonAccelPatch: {served} Linear calls ours; rel L2 vs the "
+          f"uncompiled patch {vs_eager:.2e}, vs unpatched {vs_ref:.2e}")
+    assert vs_eager < 2e-3, vs_eager
+    assert vs_ref < LINEAR_TOL[family], vs_ref
 
 
 def test_unpatch_and_repatch_in_one_prompt(runs, comfy):

@@ -233,3 +233,98 @@ def test_settings_node_reports_on_the_node_and_survives_a_bad_device():
     bad = node.configure("auto", "gpu0")
     assert "Could not probe device 'gpu0'" in bad["ui"]["text"][0]
     assert bad["result"][0].mode == "auto"
+
+
+# ---- torch.compile (ComfyUI's TorchCompileModel) -----------------------------------------------
+
+def _recording_backend(graphs: list):
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    return backend
+
+
+def _ops(graphs) -> int:
+    return sum(1 for gm in graphs for node in gm.graph.nodes if "patched_attention" in str(node.target))
+
+
+def _compiled(override, graphs, backend="record"):
+    """A compiled caller that hands the call to the override as ComfyUI's wrap_attn does;
+    fullgraph=True: any graph break fails the test."""
+    def model(*args, **kwargs):
+        return _run(override, *args, **kwargs)
+    torch.compiler.reset()
+    return torch.compile(model, fullgraph=True, backend=_recording_backend(graphs) if backend == "record" else backend)
+
+
+@pytest.mark.parametrize("backend", ["record", "aot_eager"])
+@pytest.mark.parametrize("case", ["flux-skip-reshape", "wan-heads-keyword", "skip-output-reshape",
+                                  "qwen-additive-mask-2d-batch", "hunyuan-bool-mask", "lumina-gqa", "scale"])
+def test_torch_compile_records_one_op_that_serves_at_run_time(case, backend):
+    """The trace records one patched_attention op; at run time the forced kernel serves it, as
+    without compile, and the output equals ComfyUI's function's."""
+    args, kwargs = CASES[case]()
+    expected = comfy_attention_pytorch(*args, **dict(kwargs))
+    comfy_attention_pytorch.calls.clear()
+    graphs = []
+    out = _compiled(AttentionOverride(FORCED), graphs, backend)(*args, **dict(kwargs))
+    if backend == "record":
+        assert _ops(graphs) == 1
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=1e-3)
+    assert call_stats.snapshot()["calls"] == {"triton": 1}
+    assert comfy_attention_pytorch.calls == []
+
+
+def test_torch_compile_run_time_hands_back_to_the_traced_function():
+    """CPU auto hands the call back at run time: the op finds ComfyUI's function again by its
+    module and name and calls it with the call restated in [B, H, L, D] form."""
+    args, kwargs = CASES["qwen-additive-mask-2d-batch"]()
+    expected = comfy_attention_pytorch(*args, **dict(kwargs))
+    comfy_attention_pytorch.calls.clear()
+    graphs = []
+    out = _compiled(AttentionOverride(AccelSettings("auto")), graphs)(*args, **dict(kwargs))
+    assert _ops(graphs) == 1
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert call_stats.snapshot()["calls"] == {"original": 1}
+    assert len(comfy_attention_pytorch.calls) == 1 and comfy_attention_pytorch.calls[0]["_inside_attn_wrapper"]
+
+
+def test_torch_compile_traces_calls_the_op_cannot_restate_as_they_are():
+    graphs = []
+    args, kwargs = UNSUPPORTED["float64"][0]()
+    _compiled(AttentionOverride(FORCED), graphs)(*args, **kwargs)
+    assert _ops(graphs) == 0 and len(comfy_attention_pytorch.calls) == 1
+    graphs.clear()
+    args, kwargs = CASES["scale"]()
+
+    override = AttentionOverride(FORCED)
+
+    def model(q, k, v, heads):  # a closure as the function: not reachable by name at run time
+        return override(lambda *a, **kw: comfy_attention_pytorch(*a, **kw), q, k, v, heads,
+                        transformer_options={}, **kwargs)
+    torch.compiler.reset()
+    torch.compile(model, fullgraph=True, backend=_recording_backend(graphs))(*args)
+    assert _ops(graphs) == 0
+
+
+def test_compiled_op_names_a_freed_override_with_a_reason():
+    from triton_accel.nodes import compiled_ops
+
+    override = AttentionOverride(FORCED)
+    token = override.token
+    assert compiled_ops.lookup(token, "attention override") is override
+    del override
+    import gc
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        compiled_ops.lookup(token, "attention override")
+
+
+def test_torch_compile_traces_calls_autograd_records_as_they_are():
+    args, kwargs = CASES["scale"]()
+    q = args[0].clone().requires_grad_(True)
+    graphs = []
+    with torch.enable_grad():
+        _compiled(AttentionOverride(FORCED), graphs)(q, *args[1:], **kwargs).sum().backward()
+    assert _ops(graphs) == 0 and q.grad is not None

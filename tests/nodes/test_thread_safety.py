@@ -70,7 +70,8 @@ def _run_threads(target, n: int) -> list:
 
     def run(i):
         try:
-            results[i] = target(i)
+            with torch.no_grad():  # as in ComfyUI's worker threads (inference mode)
+                results[i] = target(i)
         except BaseException as e:  # re-raised in the test's thread below
             errors.append(e)
 

@@ -1,0 +1,54 @@
+"""The patches' objects as torch.compile sees them (ComfyUI's TorchCompileModel).
+
+Dynamo traces a compiled model's forwards, our patches included. Tracing a patch's eager path
+would freeze its first answer into the graph (weights prepared, auto's timing and every guard
+happen on a first call, which a trace never really makes) and break the graph at its locks and
+exceptions. So a traced call records one opaque custom op that names the patch object by an
+integer token; at run time the op runs that object's eager path on real tensors.
+
+The token -> object table is process-wide (kernels.stats.shared(): the ops are registered by
+the first copy of the pack imported and serve every copy's objects) and weak, so a compiled
+graph never keeps a model alive; a graph that outlives its model raises with the reason.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+from ..kernels import stats
+
+
+def _table():
+    state = stats.shared()
+    with state.lock:
+        if getattr(state, "compiled_objects", None) is None:
+            state.compiled_objects = weakref.WeakValueDictionary()
+            state.compiled_tokens = itertools.count(1)
+    return state
+
+
+def register(obj) -> int:
+    """A token naming `obj` in compiled graphs, for as long as obj lives."""
+    state = _table()
+    with state.lock:
+        token = next(state.compiled_tokens)
+        state.compiled_objects[token] = obj
+    return token
+
+
+def lookup(token: int, what: str):
+    obj = _table().compiled_objects.get(int(token))
+    if obj is None:
+        raise RuntimeError(f"Triton Accel: a compiled graph names {what} {token}, whose patch no longer exists "
+                           "(its model was freed); recompile the model")
+    return obj
+
+
+def op_registered(name: str) -> bool:
+    import torch
+
+    try:
+        getattr(torch.ops.triton_accel, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
