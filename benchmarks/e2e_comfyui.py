@@ -399,6 +399,16 @@ def fast_launch_state() -> dict:
 COMPILED_SUFFIX = "+compile"
 
 
+def dynamo_summary() -> dict:
+    """What dynamo made of a compiled variant: graphs, graph breaks (by reason), recompiles."""
+    from torch._dynamo.utils import counters
+
+    breaks = {reason.split("\n")[0][:120]: n for reason, n in counters["graph_break"].items()}
+    return dict(frames=dict(counters["frames"]), unique_graphs=counters["stats"].get("unique_graphs", 0),
+                graph_breaks=sum(counters["graph_break"].values()), break_reasons=breaks,
+                recompile_limit_hit=counters["unimplemented"].get("recompile_limit reached", 0))
+
+
 def compile_like_the_node(patcher):
     """What ComfyUI's TorchCompileModel node returns for this model (backend inductor)."""
     from comfy_extras.nodes_torch_compile import TorchCompileModel
@@ -445,6 +455,9 @@ def run_variant_uncompiled(name, variant, base, x, t, context, kwargs, steps, de
             patcher = compile_like_the_node(patcher)
         except Exception as e:
             return dict(model=name, variant=variant, error=f"TorchCompileModel failed: {type(e).__name__}: {e}"[:300])
+        import torch._dynamo.utils
+
+        torch._dynamo.utils.counters.clear()
     call_stats.reset()
     kernel_stats = sys.modules["triton_accel_bench.kernels"].stats
     kernel_stats.reset()
@@ -499,10 +512,13 @@ def run_variant_uncompiled(name, variant, base, x, t, context, kwargs, steps, de
                paths=snap["paths"], linear_paths=snap.get("kinds", {}).get("linear", {}).get("paths", {}),
                linear_reasons=snap.get("kinds", {}).get("linear", {}).get("reasons", {}),
                kernel_calls=dict(kernel_stats.counts()), out=out)
+    if compiled:
+        row["dynamo"] = dynamo_summary()
     print(f"[{name}] {variant}{COMPILED_SUFFIX if compiled else ''}: {ms:.1f} ms/step (first call {first_ms:.0f} ms), rel L2 {diff:.2e}, "
           f"cos {cos:.6f}, peak {peak:.1f} GiB (device {device_used:.1f} GiB in use), calls {row['calls']} "
           f"{row['linear_paths']}; steps {[round(t, 1) for t in row['step_ms']]} ms, host {row['step_host_ms']} ms, "
-          f"gc {row['step_gc_ms']} ms, direct launch {row['fast_launch']}", flush=True)
+          f"gc {row['step_gc_ms']} ms, direct launch {row['fast_launch']}"
+          + (f", dynamo {row['dynamo']}" if compiled else ""), flush=True)
     del patcher
     return row
 

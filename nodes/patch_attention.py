@@ -309,14 +309,19 @@ class AttentionOverride:
         return out
 
 
-@torch._dynamo.assume_constant_result  # run as Python at trace time (dynamo misreads __qualname__)
 def _function_name(func) -> str | None:
-    """"module:qualname" of a module-level function (ComfyUI's attention_* functions), which a
-    compiled graph's op resolves again at run time; None for closures and lambdas."""
-    module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
-    if not module or not qualname or "<" in qualname:
+    """"module:name" of a module-level function (ComfyUI's attention_* functions, which the
+    module holds wrapped by wrap_attn), for a compiled graph's op to find again at run time;
+    None for anything that name would not find (closures, lambdas, methods). Traced by dynamo:
+    __module__, __name__ and sys.modules it reads; __qualname__ it cannot."""
+    module = sys.modules.get(func.__module__) if isinstance(getattr(func, "__module__", None), str) else None
+    name = getattr(func, "__name__", None)
+    if module is None or not isinstance(name, str):
         return None
-    return f"{module}:{qualname}"
+    found = getattr(module, name, None)
+    if found is not func and getattr(found, "__wrapped__", None) is not func:
+        return None
+    return func.__module__ + ":" + name
 
 
 _resolved: dict[str, object] = {}
@@ -327,12 +332,8 @@ def _resolve_function(name: str):
     override the function it decorates, so that is what the name was read from)."""
     func = _resolved.get(name)
     if func is None:
-        module, qualname = name.split(":", 1)
-        func = sys.modules.get(module)
-        if func is None:
-            raise RuntimeError(f"Triton Accel attention: module {module} of a compiled call's function is not loaded")
-        for part in qualname.split("."):
-            func = getattr(func, part)
+        module, attr = name.split(":", 1)
+        func = getattr(sys.modules[module], attr)  # checked when the call was traced
         func = _resolved[name] = getattr(func, "__wrapped__", func)
     return func
 

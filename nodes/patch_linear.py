@@ -136,7 +136,8 @@ REASON_STREAMED_PER_CALL_OFF = ("16/32-bit weights streamed by dynamic VRAM: per
 REASON_DYNAMIC_VRAM_OFF = "weights streamed by ComfyUI's dynamic VRAM: this model's dynamic_vram is 'off'"
 REASON_GUARD = "quality guard: this layer's output differed from ComfyUI's (see linear_fallbacks)"
 REASON_KERNEL_ERROR = "our kernel raised an error on this layer (see the log)"
-REASON_AUTOGRAD = "autograd is recording this call (our kernels have no backward): ComfyUI's Linear keeps it differentiable"
+REASON_AUTOGRAD = ("autograd is recording this call (our kernels have no backward): ComfyUI's Linear keeps it "
+                   "differentiable")
 REASON_EXT_GUARD = "quality guard: {path} differed from ComfyUI's Linear on this layer (see linear_fallbacks)"
 
 

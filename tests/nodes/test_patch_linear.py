@@ -926,6 +926,25 @@ def test_torch_compile_traces_skipped_layers_and_autograd_calls_as_comfyui():
     patched.detach()
 
 
+def test_torch_compile_with_dynamic_shapes_serves_each_length():
+    """dynamic=True (what dynamo falls back to after a resolution change): the op's fake takes
+    symbolic token counts, and each length is served at run time."""
+    _method_available("fp8")
+    base, x, _ = _fusable()
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
+    patched.patch_model()
+    graphs = []
+    model = torch.compile(patched.model.diffusion_model, fullgraph=True, dynamic=True,
+                          backend=_recording_backend(graphs))
+    with torch.no_grad():
+        for tokens in (40, 56):
+            out = model(x[:, :1].expand(2, tokens, 48).contiguous() + torch.randn(2, tokens, 48))
+            assert out.shape == (2, tokens, 48)
+    assert len(graphs) == 1  # one symbolic graph for both lengths
+    assert _linear_stats()["served"] == 8
+    patched.detach()
+
+
 def test_calls_autograd_records_go_to_comfyui():
     """Our kernels have no backward: a call autograd records (a gradient through the model, as a
     training or guidance node asks for) goes to ComfyUI's Linear, and the gradient is right."""
