@@ -185,7 +185,6 @@ def _triton(q, k, v, attn_mask=None, scale=None, is_causal=False):
 def _route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter):
     """("short_kv", device info) or ("flash", config) for the call signature rkey."""
     info = _device.describe(q.device)
-    D, Lk = q.shape[-1], k.shape[2]
     refusal = _short_kv_refusals.get(rkey)
     if refusal is None:
         refusal = _short_kv.short_kv_refusal(q, k, v, attn_mask, is_causal, info, interpreter)
