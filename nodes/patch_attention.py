@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Optional
 
 import torch
 
@@ -204,7 +205,7 @@ class AttentionOverride:
         adapt_call refuses, a `func` not reachable by module and name)."""
         name = _function_name(func)
         call = None
-        if self.settings.mode != "off" and name is not None:
+        if self.settings.mode != "off" and name is not None and COMPILED_OP_ERROR is None:
             try:
                 call = adapt_call(args, kwargs)
             except Unsupported:
@@ -346,8 +347,9 @@ def _register_compiled_op() -> None:
         return  # registered by another copy of the pack: its op reads the same table
 
     @torch.library.custom_op(f"triton_accel::{COMPILED_OP}", mutates_args=())
-    def patched_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                          scale: float | None, attn_precision: torch.dtype | None, skip_output_reshape: bool,
+    # Optional[...], not "X | None": older torch's schema inference reads only the former.
+    def patched_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                          scale: Optional[float], attn_precision: Optional[torch.dtype], skip_output_reshape: bool,
                           full_precision: bool, enable_gqa: bool, override: int, function: str) -> torch.Tensor:
         return compiled_ops.lookup(override, "attention override").compiled_call(
             q, k, v, mask, scale, attn_precision, skip_output_reshape, full_precision, enable_gqa, function)
@@ -359,7 +361,18 @@ def _register_compiled_op() -> None:
         return q.new_empty((b, h, lq, d) if skip_output_reshape else (b, lq, h * d))
 
 
-_register_compiled_op()
+
+def _compiled_op_error() -> str | None:
+    try:
+        _register_compiled_op()
+    except Exception as e:  # a torch whose custom-op schema inference refuses ours: compiled graphs trace ComfyUI's
+        log.warning("Triton Accel: torch.compile'd models will run ComfyUI's %s (our op could not be registered: "
+                    "%s: %s)", "attention", type(e).__name__, e)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+COMPILED_OP_ERROR = _compiled_op_error()
 
 
 def patch_model(model, settings: AccelSettings | None = None):

@@ -317,7 +317,18 @@ def _register_compiled_op() -> None:
         return x.new_empty((*x.shape[:-1], _layer(layer).out_features()))
 
 
-_register_compiled_op()
+
+def _compiled_op_error() -> str | None:
+    try:
+        _register_compiled_op()
+    except Exception as e:  # a torch whose custom-op schema inference refuses ours: compiled graphs trace ComfyUI's
+        log.warning("Triton Accel: torch.compile'd models will run ComfyUI's %s (our op could not be registered: "
+                    "%s: %s)", "Linear", type(e).__name__, e)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+COMPILED_OP_ERROR = _compiled_op_error()
 
 
 class LinearLayer:
@@ -359,8 +370,8 @@ class LinearLayer:
     def _traced(self, args, kwargs):
         """What a torch.compile trace records for this call: the opaque op (its run time is
         _eager, unfused), or ComfyUI's Linear traced as it is where our path could never serve."""
-        if (self.skip_reason is not None or len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor)
-                or torch.is_grad_enabled()):
+        if (COMPILED_OP_ERROR is not None or self.skip_reason is not None or len(args) != 1 or kwargs
+                or not isinstance(args[0], torch.Tensor) or torch.is_grad_enabled()):
             return self.previous(*args, **kwargs)
         return torch.ops.triton_accel.patched_linear(args[0], self.token)
 

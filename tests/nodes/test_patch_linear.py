@@ -1038,3 +1038,24 @@ def test_is_activated_follows_views_of_the_marked_output():
     pl.mark_activated(whole, 0)
     assert pl.is_activated(whole) and pl.is_activated(whole.view(2, 2, 32))
     assert not pl.is_activated(whole.t()) and not pl.is_activated(torch.randn(4, 32))
+
+
+def test_torch_compile_without_our_op_traces_comfyuis_linear(monkeypatch, caplog):
+    """A torch whose custom-op registration refuses ours: the pack still loads (a warning with
+    the reason) and compiled graphs trace ComfyUI's Linear, unpatched."""
+    def refuse():
+        raise ValueError("unsupported type in schema")
+    monkeypatch.setattr(pl, "_register_compiled_op", refuse)
+    with caplog.at_level("WARNING", logger="triton_accel"):
+        error = pl._compiled_op_error()
+    assert error == "ValueError: unsupported type in schema" and "could not be registered" in caplog.text
+    monkeypatch.setattr(pl, "COMPILED_OP_ERROR", error)
+    base, x, expected = _fusable()
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
+    patched.patch_model()
+    graphs = []
+    with torch.no_grad():
+        out = torch.compile(patched.model.diffusion_model, fullgraph=True, backend=_recording_backend(graphs))(x)
+    assert _compiled_ops(graphs) == 0 and _linear_stats()["served"] == 0
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    patched.detach()
