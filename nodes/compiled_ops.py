@@ -44,6 +44,15 @@ def lookup(token: int, what: str):
     return obj
 
 
+def capturing(t) -> bool:
+    """Whether a CUDA graph is being captured on t's device's current stream (TorchCompileModel's
+    cudagraphs backend, or a node capturing by hand): a replay runs the recorded kernels on the
+    recorded buffers, and none of our Python (weight-version checks, auto's timing) runs again."""
+    import torch
+
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def op_registered(name: str) -> bool:
     import torch
 

@@ -40,6 +40,7 @@ _KNOWN_KWARGS = {"transformer_options", "_inside_attn_wrapper", "scale", "enable
                  "low_precision_attention", "attn_precision"}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+AUTO_CAPTURING = "auto: not measured at this shape before a CUDA graph capture (no timing inside one)"
 AUTO_KEPT_ORIGINAL = "auto: ComfyUI's attention measured faster (or not equal) at this shape"
 
 
@@ -286,6 +287,14 @@ class AttentionOverride:
             cls = shape_class(q, k, mask)
             key = "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
                             f"pack {PACK_VERSION}", "+".join(usable), cls])
+            if compiled_ops.capturing(q):
+                # No timing inside a CUDA graph capture: an earlier measurement, else ComfyUI's.
+                known = _speed().known(key)
+                if known not in usable:
+                    return self._original(func, args, kwargs, AUTO_CAPTURING)
+                out = runner(known)()
+                call_stats.record("triton", path=known, model=self.label)
+                return out
             def original():
                 return (self.previous(func, *args, **kwargs) if self.previous is not None
                         else func(*args, **kwargs))

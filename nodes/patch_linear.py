@@ -136,6 +136,8 @@ REASON_STREAMED_PER_CALL_OFF = ("16/32-bit weights streamed by dynamic VRAM: per
 REASON_DYNAMIC_VRAM_OFF = "weights streamed by ComfyUI's dynamic VRAM: this model's dynamic_vram is 'off'"
 REASON_GUARD = "quality guard: this layer's output differed from ComfyUI's (see linear_fallbacks)"
 REASON_KERNEL_ERROR = "our kernel raised an error on this layer (see the log)"
+REASON_CAPTURING = ("CUDA graph capture: our prepared weights would not follow a later in-place weight change "
+                    "(a LoRA re-applied) at replay; ComfyUI's Linear reads the live weights")
 REASON_AUTOGRAD = ("autograd is recording this call (our kernels have no backward): ComfyUI's Linear keeps it "
                    "differentiable")
 REASON_EXT_GUARD = "quality guard: {path} differed from ComfyUI's Linear on this layer (see linear_fallbacks)"
@@ -576,6 +578,8 @@ class LinearLayer:
         weight = module.weight
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             raise HandBack(REASON_AUTOGRAD)
+        if compiled_ops.capturing(x):
+            raise HandBack(REASON_CAPTURING)
         if _is_quantized_layer(module, weight):
             raise HandBack(REASON_QUANTIZED)
         # A streamed weight has its _function lists applied by ComfyUI's cast (post_cast in

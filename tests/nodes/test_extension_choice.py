@@ -312,3 +312,22 @@ def test_publish_takes_the_public_name_only_when_free(monkeypatch):
     # Under the tests the package itself is "triton_accel" and forwards the API names.
     monkeypatch.setattr(extension_hooks, "PUBLIC_NAME", "triton_accel")
     assert extension_hooks.publish("triton_accel") is True
+
+
+def test_auto_inside_a_cuda_graph_capture_uses_what_it_measured_before_or_comfyuis(monkeypatch, tmp_path):
+    """No timing inside a CUDA graph capture (TorchCompileModel's cudagraphs backend): a shape
+    class measured before runs its choice, one not measured yet goes to ComfyUI's attention."""
+    from triton_accel.nodes import compiled_ops
+
+    path = extensions.register_attention("captured", _off_by(0.0), constraints=CPU)
+    override, chooser = _auto(monkeypatch, tmp_path, {ORIGINAL: 2.0, path: 1.0})
+    monkeypatch.setattr(compiled_ops, "capturing", lambda t: True)
+    out, ref = _call(override)
+    assert torch.equal(out, ref) and chooser.snapshot() == {}
+    assert _reasons() == {patch_attention.AUTO_CAPTURING: 1}
+    monkeypatch.setattr(compiled_ops, "capturing", lambda t: False)
+    _call(override, seed=1)  # measured outside a capture: the extension kept
+    call_stats.reset()
+    monkeypatch.setattr(compiled_ops, "capturing", lambda t: True)
+    _call(override, seed=2)
+    assert call_stats.snapshot()["calls"] == {"triton": 1} and len(chooser.snapshot()) == 1

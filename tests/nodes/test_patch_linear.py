@@ -1059,3 +1059,13 @@ def test_torch_compile_without_our_op_traces_comfyuis_linear(monkeypatch, caplog
     assert _compiled_ops(graphs) == 0 and _linear_stats()["served"] == 0
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     patched.detach()
+
+
+def test_calls_inside_a_cuda_graph_capture_go_to_comfyui(monkeypatch):
+    """A replay would run our kernel on the prepared weight captured, not on a weight ComfyUI
+    changed in place since (a LoRA re-applied): captured calls go to ComfyUI's Linear."""
+    layer, calls = _layer(settings=FORCED["fp8"])
+    monkeypatch.setattr(pl.compiled_ops, "capturing", lambda t: True)
+    with torch.no_grad():
+        layer(torch.randn(2, 64, 32))
+    assert len(calls) == 1 and _linear_stats()["reasons"] == {pl.REASON_CAPTURING: 1}
