@@ -71,7 +71,7 @@ from ..kernels.linear import PRIORITY as OUR_PRIORITY
 from ..kernels.registry import BackendUnavailableError
 from . import call_stats, compiled_ops
 from .settings import SEARCH_ALIASES as ATTENTION_SEARCH_ALIASES
-from .settings import SETTINGS_TYPE, AccelSettings, default_device, patched_model_text
+from .settings import SETTINGS_TYPE, AccelSettings, default_device, device_key, patched_model_text
 from .speed_choice import LOSSLESS_BAR, comfy_progress_bar
 
 log = logging.getLogger("triton_accel")
@@ -397,8 +397,9 @@ class LinearLayer:
             # Every path below hands a name-skipped layer back first thing; a Flux step makes
             # ~300 such calls (modulation, embedders), each worth its host time.
             return self._original(args, kwargs, self.skip_reason)
+        weight = module_attr(self.module, "weight")  # read once: every check below needs it
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
-            plan = self.state.extension_plan(args[0].device, self.module.weight)
+            plan = self.state.extension_plan(args[0].device, weight)
             if plan is not None:
                 return self._call_with_extensions(args[0], plan)
         if len(args) == 1 and not kwargs and self.state.weight_cast.streams(self.module, args[0]):
@@ -407,7 +408,7 @@ class LinearLayer:
             if len(args) != 1 or kwargs:
                 raise HandBack(REASON_ARGUMENTS)
             x = args[0]
-            entry = self.state.entry_for(self, x)
+            entry = self.state.entry_for(self, x, weight)
         except HandBack as e:
             return self._original(args, kwargs, str(e))
         return self._run_ours(x, entry)
@@ -560,22 +561,24 @@ class LinearLayer:
         return out
 
     def bias_for(self, x: torch.Tensor):
-        bias = self.module.bias
+        bias = module_attr(self.module, "bias")
         # ComfyUI casts the bias to the input's dtype (cast_bias_weight's bias_dtype) too; the
         # same dtype skips the dispatcher (host time on every served call).
         return bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
 
-    def check_call(self, x, min_tokens: int, streamed: bool = False, ours: bool = True) -> None:
+    def check_call(self, x, min_tokens: int, streamed: bool = False, ours: bool = True, weight=None) -> None:
         """HandBack unless this call's input and weights are ours to serve (cheap checks only).
         streamed: the weight comes from ComfyUI's dynamic-VRAM cast, not from module.weight.
         ours=False: only what every candidate needs (extensions bring their own fallbacks and
-        minimum tokens)."""
+        minimum tokens). weight: the module's weight where the caller read it already."""
         if self.skip_reason:
             raise HandBack(self.skip_reason)
         if type(x) is not torch.Tensor:
             raise HandBack(REASON_INPUT_TYPE)
         module = self.module
-        weight = module.weight
+        # module_attr: nn.Module.__getattr__ costs ~1.5 us a read, and this runs on every call
+        if weight is None:
+            weight = module_attr(module, "weight")
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             raise HandBack(REASON_AUTOGRAD)
         if compiled_ops.capturing(x):
@@ -589,10 +592,10 @@ class LinearLayer:
         if ((len(module_attr(module, "weight_function", ())) or len(module_attr(module, "bias_function", ())))
                 and (not streamed or weight.dtype == torch.float8_e4m3fn)):
             raise HandBack(REASON_WEIGHT_FUNCTION)
-        fallback = self.fallbacks.get(str(x.device)) if ours else None
+        fallback = self.fallbacks.get(device_key(x.device)) if ours and self.fallbacks else None
         if fallback is not None:
             raise HandBack(REASON_GUARD if fallback.startswith("quality guard") else REASON_KERNEL_ERROR)
-        bias = module.bias
+        bias = module_attr(module, "bias")
         if not streamed and (weight.device != x.device or (bias is not None and bias.device != x.device)):
             raise HandBack(REASON_DYNAMIC_VRAM if module_attr(module, "_v", _MISSING) is not _MISSING
                            else REASON_OFFLOADED)
@@ -674,7 +677,7 @@ class LinearPatchState:
         """(extensions tried before ours, whether ours is tried, extensions after) for calls on
         `device`, or None when no extension is involved (the calls take our path alone)."""
         is_fp8 = weight.dtype == torch.float8_e4m3fn
-        key = (str(device), is_fp8, extensions.generation())
+        key = (device_key(device), is_fp8, extensions.generation())
         plan = self._plans.get(key, _NO_PLAN)
         if plan is _NO_PLAN:
             plan = extension_plan(self.settings, device, is_fp8)
@@ -685,30 +688,34 @@ class LinearPatchState:
         return plan
 
     def refusal(self, method: str, device: torch.device, dtype) -> str | None:
-        key = (method, str(device), dtype)
+        key = (method, device_key(device), dtype)
         if key not in self._refusals:
             self._refusals[key] = self.backend.refusal(method, device, dtype)
         return self._refusals[key]
 
-    def weight_key(self, module, device: torch.device) -> tuple:
-        w = module.weight
+    def weight_key(self, module, device: torch.device, w=None) -> tuple:
+        if w is None:
+            w = module_attr(module, "weight")
         scale = module_attr(module, "scale_weight")
         scale_key = None if scale is None else (id(scale), scale.data_ptr(), _weight_version(scale))
-        return (id(w), w.data_ptr(), _weight_version(w), str(device), w.dtype, self.weights_token, scale_key)
+        return (id(w), w.data_ptr(), _weight_version(w), device_key(device), w.dtype, self.weights_token, scale_key)
 
-    def entry_for(self, layer: LinearLayer, x) -> PreparedEntry:
+    def entry_for(self, layer: LinearLayer, x, weight=None) -> PreparedEntry:
         """The prepared weight that serves this call (preparing the model's layers if it is
-        stale), or HandBack with the reason."""
-        layer.check_call(x, self.min_tokens)
+        stale), or HandBack with the reason. weight: the module's weight, where already read."""
+        if weight is None:
+            weight = module_attr(layer.module, "weight")
+        layer.check_call(x, self.min_tokens, weight=weight)
         device = x.device
-        method = self.method_for(device, layer.module.weight)
+        method = self.method_for(device, weight)
         refusal = self.refusal(method, device, x.dtype)
         if refusal:
             raise HandBack(refusal)
-        entry = layer.entries.get(str(device))
-        if entry is None or entry.method != method or entry.key != self.weight_key(layer.module, device):
+        where = device_key(device)
+        entry = layer.entries.get(where)
+        if entry is None or entry.method != method or entry.key != self.weight_key(layer.module, device, weight):
             self.prepare_all(device)
-            entry = layer.entries.get(str(device))
+            entry = layer.entries.get(where)
             if entry is None:  # prepare_all found the layer unusable on this device after all
                 raise HandBack(REASON_OFFLOADED)
         if entry.refusal:
@@ -1064,8 +1071,8 @@ def _streamed_plan(layer: LinearLayer, x: torch.Tensor) -> tuple[str, torch.dtyp
     state = layer.state
     if state.dynamic_vram == DYNAMIC_VRAM_OFF:
         raise HandBack(REASON_DYNAMIC_VRAM_OFF)
-    layer.check_call(x, state.min_tokens, streamed=True)
-    weight = layer.module.weight
+    weight = module_attr(layer.module, "weight")
+    layer.check_call(x, state.min_tokens, streamed=True, weight=weight)
     stored_fp8 = weight.dtype == torch.float8_e4m3fn
     if not stored_fp8 and state.dynamic_vram == DYNAMIC_VRAM_FP8_WEIGHTS:
         raise HandBack(REASON_STREAMED_PER_CALL_OFF)
@@ -1074,12 +1081,13 @@ def _streamed_plan(layer: LinearLayer, x: torch.Tensor) -> tuple[str, torch.dtyp
     if refusal:
         raise HandBack(refusal)
     key = (method, state.weights_token, weight.dtype)
-    entry = layer.streamed.get(str(x.device))
+    where = device_key(x.device)
+    entry = layer.streamed.get(where)
     if entry is None or entry.key != key:
         with state._lock:
-            entry = layer.streamed.get(str(x.device))
+            entry = layer.streamed.get(where)
             if entry is None or entry.key != key:
-                entry = layer.streamed[str(x.device)] = StreamedEntry(key)
+                entry = layer.streamed[where] = StreamedEntry(key)
     if entry.refusal:
         raise HandBack(entry.refusal)
     return method, weight.dtype if stored_fp8 and method in FP8_METHODS else x.dtype, entry

@@ -58,6 +58,20 @@ class DeviceChoiceError(ValueError):
     """The device text names no device of this machine; the message is one line for the node."""
 
 
+_device_keys: dict = {}
+
+
+def device_key(device) -> str:
+    """str(device), remembered per device: the patched layers key their per-device state by it
+    on every call, and str(torch.device) costs about a microsecond each time."""
+    key = _device_keys.get(device)
+    if key is None:
+        key = str(device)
+        if len(_device_keys) < 256:  # a handful of devices in practice; strings pass through too
+            _device_keys[device] = key
+    return key
+
+
 class AccelSettings:
     """What the patch nodes read: the user's mode, decided per device when a call arrives.
 
@@ -77,7 +91,7 @@ class AccelSettings:
         self._lock = threading.Lock()
 
     def decision_for(self, device) -> Decision:
-        key = str(device)
+        key = device_key(device)
         decision = self._decisions.get(key)
         if decision is None:
             with self._lock:
@@ -102,7 +116,7 @@ class AccelSettings:
     def linear_decision_for(self, device, weight_is_fp8: bool = False) -> Decision:
         """The Linear method for `device` (gpu_rules.select_linear_method), remembered per device
         and weight kind: FP8 checkpoint weights may get another method (weight-only on sm_80/86)."""
-        key = (str(device), bool(weight_is_fp8))
+        key = (device_key(device), bool(weight_is_fp8))
         decision = self._linear_decisions.get(key)
         if decision is None:
             with self._lock:

@@ -390,6 +390,29 @@ def test_module_attr_answers_as_getattr():
     assert pl.module_attr(module, "layout_type") == "set later"
 
 
+def test_served_call_reads_the_module_without_nn_module_getattr():
+    """Host time: nn.Module.__getattr__ costs ~1.5 us a read (and raises and catches for a name
+    the module lacks); a Flux step makes ~600 served Linear calls, each reading the weight, the
+    bias and ComfyUI's per-layer attributes. The served path reads them through module_attr
+    (instance dict, parameter tables), never through __getattr__; the call must still be ours."""
+    class Counting(ComfyLinear):
+        reads: list = []
+
+        def __getattr__(self, name):
+            Counting.reads.append(name)
+            return super().__getattr__(name)
+
+    layer, calls = _layer(settings=FORCED["fp8"], module=Counting(32, 48))
+    x = torch.randn(2, 8, 32)
+    layer(x), layer(x)  # the guard's call (ComfyUI's forward runs too), then a served one
+    Counting.reads.clear()
+    out = layer(x)
+    stats = _linear_stats()
+    assert stats["served"] == 3 and len(calls) == 1, stats
+    assert Counting.reads == [], f"served call read {Counting.reads} through nn.Module.__getattr__"
+    assert out.shape == (2, 8, 48)
+
+
 def test_served_layer_repeats_a_remembered_call_until_the_weight_changes():
     """kernels.linear remembers a served call's signature (its DirectCall, real on CUDA) on the
     prepared weight: the layer's calls must give it the same key every time (the module's
