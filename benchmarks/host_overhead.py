@@ -153,7 +153,9 @@ def python_only(rounds: int, calls: int) -> None:
     state.layers.append(layer)
     prepared = Prepared()
     paths = {"stub kernel alone": lambda: stub_run(x, prepared, module.bias, x.dtype),
-             "LinearLayer (node path), stub kernel": lambda: layer(x)}
+             "LinearLayer (node path), stub kernel": lambda: layer(x),
+             # what a torch.compile'd graph calls per layer: the same path behind one custom op
+             "patched_linear op (compiled graph's call), stub": lambda: torch.ops.triton_accel.patched_linear(x, layer.token)}
     with torch.no_grad():
         layer(x)  # prepare + guard (the stub returns ComfyUI's own output: the guard passes)
         served = call_stats_mod.snapshot()["kinds"].get("linear", {}).get("served", 0)

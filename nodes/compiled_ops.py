@@ -53,6 +53,30 @@ def capturing(t) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def define(name: str, schema: str, impl, fake) -> None:
+    """Register the op triton_accel::<name><schema> running `impl`, with `fake` for tracing.
+
+    torch.library's low-level registration, not torch.library.custom_op: a compiled graph calls
+    the op once per patched Linear / attention call (~600 a Flux step), and custom_op's wrapper
+    (autograd dispatch, a dynamo-disable frame, alias checks) costs ~30 us a call on the CPU
+    against ~2 us (benchmarks/host_overhead.py --python-only). What it added is not needed here:
+    a trace records these ops only with gradients off (the patches trace ComfyUI's function
+    otherwise), their outputs are fresh tensors, and dynamo does not trace into a compiled graph's
+    callees (tests/nodes: one frame, no graph break, backends eager / aot_eager / inductor)."""
+    import torch
+
+    state = _table()
+    lib = torch.library.Library("triton_accel", "FRAGMENT")
+    lib.define(name + schema)
+    lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"triton_accel::{name}", fake, lib=lib)
+    with state.lock:  # a Library removes its registrations when it is garbage-collected
+        libraries = getattr(state, "compiled_libraries", None)
+        if libraries is None:
+            libraries = state.compiled_libraries = []
+        libraries.append(lib)
+
+
 def op_registered(name: str) -> bool:
     import torch
 

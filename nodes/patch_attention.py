@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Optional
 
 import torch
 
@@ -355,20 +354,19 @@ def _register_compiled_op() -> None:
     if compiled_ops.op_registered(COMPILED_OP):
         return  # registered by another copy of the pack: its op reads the same table
 
-    @torch.library.custom_op(f"triton_accel::{COMPILED_OP}", mutates_args=())
-    # Optional[...], not "X | None": older torch's schema inference reads only the former.
-    def patched_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                          scale: Optional[float], attn_precision: Optional[torch.dtype], skip_output_reshape: bool,
-                          full_precision: bool, enable_gqa: bool, override: int, function: str) -> torch.Tensor:
+    def patched_attention(q, k, v, mask, scale, attn_precision, skip_output_reshape, full_precision, enable_gqa,
+                          override, function):
         return compiled_ops.lookup(override, "attention override").compiled_call(
             q, k, v, mask, scale, attn_precision, skip_output_reshape, full_precision, enable_gqa, function)
 
-    @patched_attention.register_fake
-    def _(q, k, v, mask, scale, attn_precision, skip_output_reshape, full_precision, enable_gqa, override, function):
+    def fake(q, k, v, mask, scale, attn_precision, skip_output_reshape, full_precision, enable_gqa, override, function):
         b, h, lq = q.shape[0], q.shape[1], q.shape[2]
         d = v.shape[-1]
         return q.new_empty((b, h, lq, d) if skip_output_reshape else (b, lq, h * d))
 
+    compiled_ops.define(COMPILED_OP, "(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale, "
+                        "ScalarType? attn_precision, bool skip_output_reshape, bool full_precision, "
+                        "bool enable_gqa, int override, str function) -> Tensor", patched_attention, fake)
 
 
 def _compiled_op_error() -> str | None:

@@ -310,14 +310,13 @@ def _register_compiled_op() -> None:
     if compiled_ops.op_registered(COMPILED_OP):
         return  # registered by another copy of the pack: its op reads the same table
 
-    @torch.library.custom_op(f"triton_accel::{COMPILED_OP}", mutates_args=())
     def patched_linear(x: torch.Tensor, layer: int) -> torch.Tensor:
         return _layer(layer).compiled_call(x)
 
-    @patched_linear.register_fake
-    def _(x, layer):
+    def fake(x, layer):
         return x.new_empty((*x.shape[:-1], _layer(layer).out_features()))
 
+    compiled_ops.define(COMPILED_OP, "(Tensor x, int layer) -> Tensor", patched_linear, fake)
 
 
 def _compiled_op_error() -> str | None:

@@ -37,8 +37,14 @@ ComfyUI 0.3.64 has no MultiGPU node (and no deepclone_multigpu): both tests skip
 
 Tolerances: 1. the same computation with and without the (pass-through) node: rel. L2 of the
 latent <= EXACT_TOL. 2. cond and uncond in separate threads and batches instead of one batch:
-our kernels are row-independent (per-token activation scales, per-(batch, head) attention), so
-the latent moves by float32 reordering only: measured 3.3e-7 on ComfyUI 0.29.0; bound SPLIT_TOL.
+our kernels are row-independent (per-token activation scales, per-(batch, head) attention:
+each layer's output rows equal those of the same rows run alone, checked), but ComfyUI's own
+float32 CPU math differs by batch size at ~1e-6, and where such a difference moves an activation
+across an e4m3 rounding boundary the FP8 Linear turns it into one FP8 step of that element.
+Measured on ComfyUI 0.29.0, tiny Wan: 3.3e-7 on one machine, 7.6e-4 on another (flips at the FFN
+input of the first step; unpatched split vs one batch: 3.6e-7). One work unit running ComfyUI's
+Linear while the other runs ours moves the latent by 1.7e-2 (measured); SPLIT_TOL = 4e-3 lies
+between the two.
 Ours vs unpatched (a sanity check of the run, not the point of the test): FP8 W8A8 on every Linear
 layer but the default skips (min_tokens 1) and our FP16 attention, through two steps at cfg 2,
 moved tiny Wan's latent by 0.029 (measured, 0.29.0); bound OURS_TOL.
@@ -59,7 +65,7 @@ FAMILY = "wan21"  # tiny in every ComfyUI version: 256 wide, one block
 NODE = "MultiGPU_WorkUnits"
 CFG = 2.0  # cfg != 1: an uncond pass, so two work units
 EXACT_TOL = 1e-6
-SPLIT_TOL = 1e-4
+SPLIT_TOL = 4e-3
 OURS_TOL = 0.1
 SETTINGS = {"mode": "fp16", "device": "auto", "linear": "fp8"}  # forced: our kernels on the CPU interpreter
 

@@ -257,7 +257,7 @@ def _compiled(override, graphs, backend="record"):
     return torch.compile(model, fullgraph=True, backend=_recording_backend(graphs) if backend == "record" else backend)
 
 
-@pytest.mark.parametrize("backend", ["record", "aot_eager"])
+@pytest.mark.parametrize("backend", ["record", "eager", "aot_eager"])
 @pytest.mark.parametrize("case", ["flux-skip-reshape", "wan-heads-keyword", "skip-output-reshape",
                                   "qwen-additive-mask-2d-batch", "hunyuan-bool-mask", "lumina-gqa", "scale"])
 def test_torch_compile_records_one_op_that_serves_at_run_time(case, backend):

@@ -892,13 +892,23 @@ def _compiled_ops(graphs) -> int:
                if "triton_accel" in str(node.target) and pl.COMPILED_OP in str(node.target))
 
 
-@pytest.mark.parametrize("backend", ["record", "aot_eager"])
-def test_torch_compile_serves_every_layer_through_one_op(gelu_calls, backend):
+@pytest.mark.parametrize("backend", ["record", "eager", "aot_eager"])
+def test_torch_compile_serves_every_layer_through_one_op(gelu_calls, backend, monkeypatch):
     """TorchCompileModel compiles the model before its first call: the trace must not bake in
     a hand-back (the weights are not prepared yet) nor break the graph at our bookkeeping. With
     fullgraph=True any graph break fails the compile. Each layer is one patched_linear op that
-    serves at run time; the GELUs run as traced (our kernel leaves them unfused there)."""
+    serves at run time; the GELUs run as traced (our kernel leaves them unfused there). The op
+    is registered without torch.library.custom_op's wrapper (compiled_ops.define), which also
+    kept dynamo out of the op's body: it must still run only on real tensors, never traced."""
     _method_available("fp8")
+    run_times = []
+    compiled_call = pl.LinearLayer.compiled_call
+
+    def spied(self, x):
+        run_times.append(torch.compiler.is_compiling() or type(x) is not torch.Tensor)
+        return compiled_call(self, x)
+
+    monkeypatch.setattr(pl.LinearLayer, "compiled_call", spied)
     base, x, expected = _fusable()
     patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, copy_activations=True)
     patched.patch_model()
@@ -919,6 +929,7 @@ def test_torch_compile_serves_every_layer_through_one_op(gelu_calls, backend):
     assert first_stats["served"] == layers and first_stats["handed_back"] == 0, first_stats
     assert _linear_stats()["served"] == 3 * layers, _linear_stats()
     assert first_stats["paths"] == {"fp8_w8a8": layers}
+    assert run_times == [False] * (2 * layers), run_times  # two compiled calls, real tensors only
     assert gelus == 2  # double_mlp's GELU and the single block's, as traced
     assert _rel_l2(first, expected) < 0.05  # FP8 W8A8 through 4 layers (measured ~0.02)
     assert torch.equal(first, second)
