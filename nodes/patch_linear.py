@@ -310,13 +310,15 @@ def _register_compiled_op() -> None:
     if compiled_ops.op_registered(COMPILED_OP):
         return  # registered by another copy of the pack: its op reads the same table
 
-    def patched_linear(x: torch.Tensor, layer: int) -> torch.Tensor:
-        return _layer(layer).compiled_call(x)
+    def patched_linear(x: torch.Tensor, layer: int, activated: bool = False) -> torch.Tensor:
+        return _layer(layer).compiled_call(x, activated)
 
-    def fake(x, layer):
+    def fake(x, layer, activated=False):
         return x.new_empty((*x.shape[:-1], _layer(layer).out_features()))
 
-    compiled_ops.define(COMPILED_OP, "(Tensor x, int layer) -> Tensor", patched_linear, fake)
+    # activated: the layer's GELU is part of the op (FusedSequential), applied in our GEMM's
+    # epilogue where our kernel serves the call and after ComfyUI's Linear where it does not.
+    compiled_ops.define(COMPILED_OP, "(Tensor x, int layer, bool activated=False) -> Tensor", patched_linear, fake)
 
 
 def _compiled_op_error() -> str | None:
@@ -348,6 +350,9 @@ class LinearLayer:
         # The activated columns also go to a contiguous copy (fusable_with_copy: their consumer
         # concatenates them), where the method's kernel writes one.
         self.activation_copy = False
+        # The activation module's own forward (FusedActivation.previous): what applies the GELU
+        # to a compiled fused call our kernel did not serve.
+        self.activation_forward = None
         self.streamed: dict[str, StreamedEntry] = {}  # per device: guard state of calls under dynamic VRAM
         self.fallbacks: dict[str, str] = {}  # device -> why this layer runs ComfyUI's Linear for good
         # Other packs' Linear on this layer, per (device, "ext:<name>"): the weight version its
@@ -376,14 +381,28 @@ class LinearLayer:
             return self.previous(*args, **kwargs)
         return torch.ops.triton_accel.patched_linear(args[0], self.token)
 
-    def compiled_call(self, x: torch.Tensor) -> torch.Tensor:
-        """The run time of a traced call (the patched_linear op): the eager path without the fused
-        activation, in x's dtype as the op's fake promised."""
-        unfused = _UNFUSED.set(True)
-        try:
+    def traces_fused(self, x) -> bool:
+        """Whether a trace of this layer followed by its activation module may record one
+        activated op (FusedSequential): the same conditions as _traced's op, and an activation
+        applied to all output columns (the in-place kind, no contiguous copy)."""
+        return (COMPILED_OP_ERROR is None and self.skip_reason is None and isinstance(x, torch.Tensor)
+                and not torch.is_grad_enabled() and self.activation is not None and not self.activation_copy
+                and self.activation[1] == 0 and self.activation_forward is not None)
+
+    def compiled_call(self, x: torch.Tensor, activated: bool = False) -> torch.Tensor:
+        """The run time of a traced call (the patched_linear op), in x's dtype as the op's fake
+        promised: the eager path without the fused activation, or (activated) with it, the
+        activation module's forward applying it where our kernel did not."""
+        if activated:
             out = self._eager((x,), {})
-        finally:
-            _UNFUSED.reset(unfused)
+            if not is_activated(out):  # ComfyUI's Linear (or an extension) served the call
+                out = self.activation_forward(out)
+        else:
+            unfused = _UNFUSED.set(True)
+            try:
+                out = self._eager((x,), {})
+            finally:
+                _UNFUSED.reset(unfused)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def out_features(self) -> int:
@@ -830,6 +849,16 @@ class LinearPatchState:
                     clone.object_patches[key] = layers[value.name]
                 else:  # not a Linear layer in the clone's model: ComfyUI's own forward serves it
                     del clone.object_patches[key]
+            elif isinstance(value, FusedSequential) and value.layer.state is self:  # the clone's own
+                module = _submodule(getattr(getattr(clone, "model", None), "diffusion_model", None), value.name)
+                layer = layers.get(value.layer.name)
+                if module is None or layer is None:
+                    clone.object_patches[key] = _rebound(value.previous, value.module, module) \
+                        if module is not None else value.previous
+                else:
+                    clone.object_patches[key] = FusedSequential(value.name, module,
+                                                                _rebound(value.previous, value.module, module),
+                                                                layer, value.index)
             elif isinstance(value, FusedActivation):  # stateless, but its GELU should be the clone's module's
                 module = _submodule(getattr(getattr(clone, "model", None), "diffusion_model", None), value.name)
                 if module is not None and module is not value.module:
@@ -871,6 +900,8 @@ class LinearPatchState:
             if module is not None and is_linear_module(module):
                 copy = LinearLayer(state, layer.name, module, _rebound(layer.previous, layer.module, module))
                 copy.activation, copy.activation_copy = layer.activation, layer.activation_copy
+                # a GELU module's forward is stateless: the original's serves the copy's calls
+                copy.activation_forward = layer.activation_forward
                 state.layers.append(copy)
         log.info("Triton Accel Linear (%s): %d Linear layers of a MultiGPU clone patched", self.label,
                  len(state.layers))
@@ -1244,6 +1275,41 @@ class FusedActivation:
         return self.previous(*args, **kwargs)
 
 
+class FusedSequential:
+    """The object patch of an nn.Sequential whose Linear (child `index`) our kernel serves with
+    the GELU after it (child `index + 1`) fused. Eager calls run the Sequential's own forward
+    (the children's patches fuse through FusedActivation's marks). Under torch.compile's tracing,
+    where a traced graph keeps no marks, the pair is recorded as one activated patched_linear
+    op (the GELU in our epilogue at run time, as eager) and the other children as they are;
+    anything the op could not serve traces the Sequential's own forward. Shared by clones."""
+
+    def __init__(self, name: str, module: torch.nn.Module, previous, layer: LinearLayer, index: int):
+        self.name = name
+        self.module = module
+        self.previous = previous
+        self.layer = layer
+        self.index = index
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        if not _is_compiling() or len(args) != 1 or kwargs or not self.layer.traces_fused(args[0]):
+            return self.previous(*args, **kwargs)
+        children = list(self.module)
+        # Another node's patch installed over ours on either child: trace everything as it is.
+        if (len(children) <= self.index + 1 or children[self.index].forward is not self.layer
+                or not isinstance(children[self.index + 1].forward, FusedActivation)):
+            return self.previous(*args, **kwargs)
+        x = args[0]
+        for i, child in enumerate(children):
+            if i == self.index:
+                x = torch.ops.triton_accel.patched_linear(x, self.layer.token, True)
+            elif i != self.index + 1:
+                x = child(x)
+        return x
+
+
 def _is_gelu_tanh(module) -> bool:
     return type(module) is torch.nn.GELU and module.approximate == "tanh"
 
@@ -1309,7 +1375,22 @@ def _fuse_activations(patched, state: LinearPatchState, with_copies: bool = Fals
         module = _submodule(diffusion_model, act_name)
         layer.activation = (ACTIVATION_GELU_TANH, first)
         layer.activation_copy = with_copy
+        layer.activation_forward = previous
         patched.add_object_patch(key, FusedActivation(act_name, module, previous))
+        if not with_copy:  # Sequential(..., Linear, GELU, ...): one op for the pair under torch.compile
+            _fuse_sequential(patched, diffusion_model, layer, linear_name)
+
+
+def _fuse_sequential(patched, diffusion_model, layer: LinearLayer, linear_name: str) -> None:
+    seq_name, _, child = linear_name.rpartition(".")
+    seq = _submodule(diffusion_model, seq_name) if seq_name else None
+    if not isinstance(seq, torch.nn.Sequential) or not child.isdigit():
+        return
+    key = f"diffusion_model.{seq_name}.forward"
+    previous = patched.get_model_object(key)
+    while isinstance(previous, FusedSequential):  # re-patching one of our clones
+        previous = previous.previous
+    patched.add_object_patch(key, FusedSequential(seq_name, seq, previous, layer, int(child)))
 
 
 # ---- patching a ModelPatcher ----------------------------------------------------------------

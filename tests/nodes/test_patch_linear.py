@@ -897,22 +897,25 @@ def test_torch_compile_serves_every_layer_through_one_op(gelu_calls, backend, mo
     """TorchCompileModel compiles the model before its first call: the trace must not bake in
     a hand-back (the weights are not prepared yet) nor break the graph at our bookkeeping. With
     fullgraph=True any graph break fails the compile. Each layer is one patched_linear op that
-    serves at run time; the GELUs run as traced (our kernel leaves them unfused there). The op
-    is registered without torch.library.custom_op's wrapper (compiled_ops.define), which also
-    kept dynamo out of the op's body: it must still run only on real tensors, never traced."""
+    serves at run time. The Sequential MLP's Linear + GELU are one activated op (FusedSequential:
+    the GELU in our epilogue, as eager); the single block's GELU, which feeds torch.cat, runs as
+    traced. The op is registered without torch.library.custom_op's wrapper
+    (compiled_ops.define), which also kept dynamo out of the op's body: it must still run only on
+    real tensors, never traced."""
     _method_available("fp8")
     run_times = []
     compiled_call = pl.LinearLayer.compiled_call
 
-    def spied(self, x):
+    def spied(self, x, activated=False):
         run_times.append(torch.compiler.is_compiling() or type(x) is not torch.Tensor)
-        return compiled_call(self, x)
+        return compiled_call(self, x, activated)
 
     monkeypatch.setattr(pl.LinearLayer, "compiled_call", spied)
     base, x, expected = _fusable()
     patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, copy_activations=True)
     patched.patch_model()
     graphs = []
+    torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
     model = torch.compile(patched.model.diffusion_model, fullgraph=True,
                           backend=_recording_backend(graphs) if backend == "record" else backend)
     layers = len(patched.triton_accel_linear.layers)
@@ -930,10 +933,64 @@ def test_torch_compile_serves_every_layer_through_one_op(gelu_calls, backend, mo
     assert _linear_stats()["served"] == 3 * layers, _linear_stats()
     assert first_stats["paths"] == {"fp8_w8a8": layers}
     assert run_times == [False] * (2 * layers), run_times  # two compiled calls, real tensors only
-    assert gelus == 2  # double_mlp's GELU and the single block's, as traced
+    assert gelus == 1  # the single block's, as traced; double_mlp's ran in our epilogue
     assert _rel_l2(first, expected) < 0.05  # FP8 W8A8 through 4 layers (measured ~0.02)
     assert torch.equal(first, second)
     assert _rel_l2(first, eager) < 0.01  # the eager call fuses its GELUs: output rounding apart
+    patched.detach()
+
+
+def test_torch_compile_fused_op_applies_comfyuis_gelu_where_it_hands_back():
+    """The activated op of a Sequential's Linear + GELU: a call our kernel does not serve at run
+    time (here: fewer tokens than min_tokens) goes to ComfyUI's Linear, and then the GELU
+    module's own forward applies the activation: the compiled model equals the unpatched one."""
+    _method_available("fp8")
+    base, x, expected = _fusable()
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=10 ** 6)
+    patched.patch_model()
+    layer = next(layer for layer in patched.triton_accel_linear.layers if layer.name == "double_mlp.0")
+    applied = []
+    forward = layer.activation_forward
+    layer.activation_forward = lambda t: applied.append(tuple(t.shape)) or forward(t)
+    graphs = []
+    torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
+    model = torch.compile(patched.model.diffusion_model, fullgraph=True, backend=_recording_backend(graphs))
+    with torch.no_grad():
+        out = model(x)
+    assert _compiled_ops(graphs) == 4
+    assert any(node.args[2:] == (True,) for gm in graphs for node in gm.graph.nodes
+               if pl.COMPILED_OP in str(node.target))  # the Sequential's pair: one activated op
+    stats = _linear_stats()
+    assert stats["served"] == 0 and stats["handed_back"] == 4, stats
+    assert applied == [(2, 40, 96)]  # ComfyUI's GELU forward, once, on ComfyUI's Linear output
+    assert torch.equal(out, expected)  # no GELU missing, none applied twice
+    patched.detach()
+
+
+def test_torch_compile_traces_the_sequential_as_it_is_under_another_patch():
+    """Another node's patch installed over our GELU patch: FusedSequential records no fused op
+    (that node's forward would be skipped), the Sequential is traced as it is."""
+    _method_available("fp8")
+    base, x, expected = _fusable()
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
+    seen = []
+
+    def other(t):
+        seen.append(tuple(t.shape))
+        return F.gelu(t, approximate="tanh")
+
+    patched.add_object_patch("diffusion_model.double_mlp.1.forward", other)
+    patched.patch_model()
+    graphs = []
+    torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
+    model = torch.compile(patched.model.diffusion_model, fullgraph=True, backend=_recording_backend(graphs))
+    with torch.no_grad():
+        out = model(x)
+    assert not any(node.args[2:] == (True,) for gm in graphs for node in gm.graph.nodes
+                   if pl.COMPILED_OP in str(node.target))
+    assert seen  # traced, so it ran (at least) at trace time
+    assert _linear_stats()["served"] == 4
+    assert _rel_l2(out, expected) < 0.05
     patched.detach()
 
 
@@ -943,6 +1000,7 @@ def test_torch_compile_traces_skipped_layers_and_autograd_calls_as_comfyui():
     patched = pl.patch_linear_model(base, FORCED["fp8"], skip="single_blocks.*", min_tokens=16)
     patched.patch_model()
     graphs = []
+    torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
     model = torch.compile(patched.model.diffusion_model, fullgraph=True, backend=_recording_backend(graphs))
     with torch.no_grad():
         out = model(x)
@@ -968,6 +1026,7 @@ def test_torch_compile_with_dynamic_shapes_serves_each_length():
     patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
     patched.patch_model()
     graphs = []
+    torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
     model = torch.compile(patched.model.diffusion_model, fullgraph=True, dynamic=True,
                           backend=_recording_backend(graphs))
     with torch.no_grad():
@@ -1010,6 +1069,9 @@ def test_repatching_unwraps_our_activation_patch():
     second = pl.patch_linear_model(first, FORCED["fp8"], skip="")
     patch = second.object_patches["diffusion_model.double_mlp.1.forward"]
     assert isinstance(patch, pl.FusedActivation) and not isinstance(patch.previous, pl.FusedActivation)
+    seq = second.object_patches["diffusion_model.double_mlp.forward"]
+    assert isinstance(seq, pl.FusedSequential) and not isinstance(seq.previous, pl.FusedSequential)
+    assert seq.layer.state is second.triton_accel_linear and seq.layer.name == "double_mlp.0"
     # a skipped Linear leaves its activation to ComfyUI (the clone's inherited patch runs it)
     third = pl.patch_linear_model(first, FORCED["fp8"], skip="double_mlp.*, single_blocks.*", copy_activations=True)
     assert third.triton_accel_linear.fused_activations == 0
@@ -1089,6 +1151,7 @@ def test_torch_compile_without_our_op_traces_comfyuis_linear(monkeypatch, caplog
     patched.patch_model()
     graphs = []
     with torch.no_grad():
+        torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
         out = torch.compile(patched.model.diffusion_model, fullgraph=True, backend=_recording_backend(graphs))(x)
     assert _compiled_ops(graphs) == 0 and _linear_stats()["served"] == 0
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

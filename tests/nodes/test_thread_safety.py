@@ -339,6 +339,52 @@ def test_multigpu_clone_runs_its_own_weights_in_its_own_thread():
     assert len(ptrs[0]) == len(LAYERS) and not ptrs[0] & ptrs[1]
 
 
+class MlpDiT(torch.nn.Module):
+    """Wan's FFN shape: nn.Sequential(Linear, GELU(tanh), Linear), fused (FusedSequential)."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.ffn = torch.nn.Sequential(ComfyLinear(dim, 2 * dim), torch.nn.GELU(approximate="tanh"),
+                                       ComfyLinear(2 * dim, dim))
+
+    def forward(self, x):
+        return self.ffn(x)
+
+
+class MlpModel(torch.nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.diffusion_model = MlpDiT()
+
+
+def test_multigpu_clone_gets_its_own_fused_sequential():
+    """The Sequential's patch (one activated op for Linear + GELU under torch.compile) names a
+    Linear layer: a MultiGPU clone's must be the clone's own Sequential and layer, else a traced
+    clone would run the first model's weights. Eager, each copy runs its own weights."""
+    main = FakePatcher(MlpModel(0), lambda: MlpModel(1))
+    patched = pl.patch_linear_model(main, SETTINGS, skip="", min_tokens=4)
+    key = "diffusion_model.ffn.forward"
+    assert isinstance(patched.object_patches[key], pl.FusedSequential)
+    with_clones = create_multigpu_deepclones(patched, ["cpu"])
+    (clone,) = with_clones.multigpu
+    main_model, clone_model = with_clones.patch_model(), clone.patch_model()
+    clone_state = clone.triton_accel_linear
+    ours, theirs = with_clones.object_patches[key], clone.object_patches[key]
+    assert isinstance(theirs, pl.FusedSequential) and theirs is not ours
+    assert theirs.module is clone_model.diffusion_model.ffn and ours.module is main_model.diffusion_model.ffn
+    assert theirs.layer.state is clone_state and theirs.layer.module is clone_model.diffusion_model.ffn[0]
+    assert theirs.previous.__self__ is theirs.module  # the clone's own Sequential.forward
+    assert theirs.layer.activation_forward is not None
+    x = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        for model in (main_model, clone_model):
+            ffn = model.diffusion_model.ffn
+            expected = F.linear(F.gelu(F.linear(x, ffn[0].weight, ffn[0].bias), approximate="tanh"),
+                                ffn[2].weight, ffn[2].bias)
+            assert _rel_l2(model.diffusion_model(x), expected) < LINEAR_TOL
+
+
 def test_multigpu_clone_state_is_reused_and_released_with_its_model():
     """ComfyUI matches the clones again before every sampling run (match_multigpu_clones): the
     clone's model, its state and its prepared weights are reused, not prepared again; ON_DETACH of
