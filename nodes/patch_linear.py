@@ -1253,11 +1253,9 @@ def is_activated(x: torch.Tensor) -> bool:
     return first <= column and column + x.shape[-1] == width
 
 
-class FusedActivation:
-    """The object patch of an activation module whose Linear our kernel serves with the
-    activation fused: a tensor our kernel activated passes through, anything else (every call
-    ComfyUI's Linear or an extension served, and everything under torch.compile's tracing) goes
-    to the module's own forward. Shared by clones, never copied."""
+class _ModulePatch:
+    """An object patch of one module's forward: `previous` is the forward it replaces (the
+    module's own, or another node's patch). Shared by clones, never copied."""
 
     def __init__(self, name: str, module: torch.nn.Module, previous):
         self.name = name
@@ -1267,6 +1265,13 @@ class FusedActivation:
     def __deepcopy__(self, memo):
         return self
 
+
+class FusedActivation(_ModulePatch):
+    """The object patch of an activation module whose Linear our kernel serves with the
+    activation fused: a tensor our kernel activated passes through, anything else (every call
+    ComfyUI's Linear or an extension served, and everything under torch.compile's tracing) goes
+    to the module's own forward."""
+
     def __call__(self, *args, **kwargs):
         if (len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor and not _is_compiling()
                 and is_activated(args[0])):
@@ -1275,23 +1280,18 @@ class FusedActivation:
         return self.previous(*args, **kwargs)
 
 
-class FusedSequential:
+class FusedSequential(_ModulePatch):
     """The object patch of an nn.Sequential whose Linear (child `index`) our kernel serves with
     the GELU after it (child `index + 1`) fused. Eager calls run the Sequential's own forward
     (the children's patches fuse through FusedActivation's marks). Under torch.compile's tracing,
     where a traced graph keeps no marks, the pair is recorded as one activated patched_linear
     op (the GELU in our epilogue at run time, as eager) and the other children as they are;
-    anything the op could not serve traces the Sequential's own forward. Shared by clones."""
+    anything the op could not serve traces the Sequential's own forward."""
 
     def __init__(self, name: str, module: torch.nn.Module, previous, layer: LinearLayer, index: int):
-        self.name = name
-        self.module = module
-        self.previous = previous
+        super().__init__(name, module, previous)
         self.layer = layer
         self.index = index
-
-    def __deepcopy__(self, memo):
-        return self
 
     def __call__(self, *args, **kwargs):
         if not _is_compiling() or len(args) != 1 or kwargs or not self.layer.traces_fused(args[0]):

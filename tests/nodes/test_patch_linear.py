@@ -892,6 +892,22 @@ def _compiled_ops(graphs) -> int:
                if "triton_accel" in str(node.target) and pl.COMPILED_OP in str(node.target))
 
 
+def _activated_ops(graphs) -> int:
+    """patched_linear ops recorded with the GELU in them (FusedSequential)."""
+    return sum(1 for gm in graphs for node in gm.graph.nodes
+               if pl.COMPILED_OP in str(node.target) and node.args[2:] == (True,))
+
+
+def _run_compiled(patched, x, graphs: list):
+    """The patched model compiled with the recording backend (fullgraph: a graph break fails),
+    run once without gradients. Dynamo's recompile limit counts per code object across tests,
+    so its caches are reset first."""
+    torch.compiler.reset()
+    model = torch.compile(patched.model.diffusion_model, fullgraph=True, backend=_recording_backend(graphs))
+    with torch.no_grad():
+        return model(x)
+
+
 @pytest.mark.parametrize("backend", ["record", "eager", "aot_eager"])
 def test_torch_compile_serves_every_layer_through_one_op(gelu_calls, backend, monkeypatch):
     """TorchCompileModel compiles the model before its first call: the trace must not bake in
@@ -953,13 +969,8 @@ def test_torch_compile_fused_op_applies_comfyuis_gelu_where_it_hands_back():
     forward = layer.activation_forward
     layer.activation_forward = lambda t: applied.append(tuple(t.shape)) or forward(t)
     graphs = []
-    torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
-    model = torch.compile(patched.model.diffusion_model, fullgraph=True, backend=_recording_backend(graphs))
-    with torch.no_grad():
-        out = model(x)
-    assert _compiled_ops(graphs) == 4
-    assert any(node.args[2:] == (True,) for gm in graphs for node in gm.graph.nodes
-               if pl.COMPILED_OP in str(node.target))  # the Sequential's pair: one activated op
+    out = _run_compiled(patched, x, graphs)
+    assert _compiled_ops(graphs) == 4 and _activated_ops(graphs) == 1  # the Sequential's pair: one op
     stats = _linear_stats()
     assert stats["served"] == 0 and stats["handed_back"] == 4, stats
     assert applied == [(2, 40, 96)]  # ComfyUI's GELU forward, once, on ComfyUI's Linear output
@@ -982,12 +993,8 @@ def test_torch_compile_traces_the_sequential_as_it_is_under_another_patch():
     patched.add_object_patch("diffusion_model.double_mlp.1.forward", other)
     patched.patch_model()
     graphs = []
-    torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
-    model = torch.compile(patched.model.diffusion_model, fullgraph=True, backend=_recording_backend(graphs))
-    with torch.no_grad():
-        out = model(x)
-    assert not any(node.args[2:] == (True,) for gm in graphs for node in gm.graph.nodes
-                   if pl.COMPILED_OP in str(node.target))
+    out = _run_compiled(patched, x, graphs)
+    assert _activated_ops(graphs) == 0
     assert seen  # traced, so it ran (at least) at trace time
     assert _linear_stats()["served"] == 4
     assert _rel_l2(out, expected) < 0.05
@@ -1000,10 +1007,7 @@ def test_torch_compile_traces_skipped_layers_and_autograd_calls_as_comfyui():
     patched = pl.patch_linear_model(base, FORCED["fp8"], skip="single_blocks.*", min_tokens=16)
     patched.patch_model()
     graphs = []
-    torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
-    model = torch.compile(patched.model.diffusion_model, fullgraph=True, backend=_recording_backend(graphs))
-    with torch.no_grad():
-        out = model(x)
+    out = _run_compiled(patched, x, graphs)
     assert _compiled_ops(graphs) == 2  # double_mlp.0 and .2; the single block's two are ComfyUI's
     assert _linear_stats()["served"] == 2
     assert _rel_l2(out, expected) < 0.05
