@@ -62,7 +62,8 @@ def define(name: str, schema: str, impl, fake) -> None:
     against ~2 us (benchmarks/host_overhead.py --python-only). What it added is not needed here:
     a trace records these ops only with gradients off (the patches trace ComfyUI's function
     otherwise), their outputs are fresh tensors, and dynamo does not trace into a compiled graph's
-    callees (tests/nodes: one frame, no graph break, backends eager / aot_eager / inductor)."""
+    callees (tests/nodes: fullgraph, backends record / eager / aot_eager, the op body run on real
+    tensors only; tests/integration: inductor through ComfyUI's TorchCompileModel)."""
     import torch
 
     state = _table()
