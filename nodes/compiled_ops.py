@@ -13,17 +13,21 @@ graph never keeps a model alive; a graph that outlives its model raises with the
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 
 from ..kernels import stats
 
+log = logging.getLogger("triton_accel")
+
 
 def _table():
     state = stats.shared()
-    with state.lock:
-        if getattr(state, "compiled_objects", None) is None:
-            state.compiled_objects = weakref.WeakValueDictionary()
-            state.compiled_tokens = itertools.count(1)
+    if getattr(state, "compiled_objects", None) is None:  # lookup() runs per compiled call: no lock once made
+        with state.lock:
+            if getattr(state, "compiled_objects", None) is None:
+                state.compiled_tokens = itertools.count(1)
+                state.compiled_objects = weakref.WeakValueDictionary()
     return state
 
 
@@ -54,7 +58,8 @@ def capturing(t) -> bool:
 
 
 def define(name: str, schema: str, impl, fake) -> None:
-    """Register the op triton_accel::<name><schema> running `impl`, with `fake` for tracing.
+    """Register the op triton_accel::<name><schema> running `impl`, with `fake` for tracing
+    (nothing when another copy of the pack registered it: its op reads the same token table).
 
     torch.library's low-level registration, not torch.library.custom_op: a compiled graph calls
     the op once per patched Linear / attention call (~600 a Flux step), and custom_op's wrapper
@@ -66,6 +71,8 @@ def define(name: str, schema: str, impl, fake) -> None:
     tensors only; tests/integration: inductor through ComfyUI's TorchCompileModel)."""
     import torch
 
+    if op_registered(name):
+        return
     state = _table()
     lib = torch.library.Library("triton_accel", "FRAGMENT")
     lib.define(name + schema)
@@ -76,6 +83,19 @@ def define(name: str, schema: str, impl, fake) -> None:
         if libraries is None:
             libraries = state.compiled_libraries = []
         libraries.append(lib)
+
+
+def registration_error(register, what: str) -> str | None:
+    """Run `register` (a module's op definition); on failure (a torch whose library API refuses
+    ours) the pack still loads: a warning, and the error text that makes the patches trace
+    ComfyUI's `what` instead of our op. None when registered."""
+    try:
+        register()
+    except Exception as e:
+        log.warning("Triton Accel: torch.compile'd models will run ComfyUI's %s (our op could not be registered: "
+                    "%s: %s)", what, type(e).__name__, e)
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def op_registered(name: str) -> bool:

@@ -351,9 +351,6 @@ COMPILED_OP = "patched_attention"
 
 
 def _register_compiled_op() -> None:
-    if compiled_ops.op_registered(COMPILED_OP):
-        return  # registered by another copy of the pack: its op reads the same table
-
     def patched_attention(q, k, v, mask, scale, attn_precision, skip_output_reshape, full_precision, enable_gqa,
                           override, function):
         return compiled_ops.lookup(override, "attention override").compiled_call(
@@ -369,17 +366,7 @@ def _register_compiled_op() -> None:
                         "bool enable_gqa, int override, str function) -> Tensor", patched_attention, fake)
 
 
-def _compiled_op_error() -> str | None:
-    try:
-        _register_compiled_op()
-    except Exception as e:  # a torch whose custom-op schema inference refuses ours: compiled graphs trace ComfyUI's
-        log.warning("Triton Accel: torch.compile'd models will run ComfyUI's %s (our op could not be registered: "
-                    "%s: %s)", "attention", type(e).__name__, e)
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-COMPILED_OP_ERROR = _compiled_op_error()
+COMPILED_OP_ERROR = compiled_ops.registration_error(_register_compiled_op, "attention")
 
 
 def patch_model(model, settings: AccelSettings | None = None):

@@ -307,9 +307,6 @@ def _layer(token: int):
 
 
 def _register_compiled_op() -> None:
-    if compiled_ops.op_registered(COMPILED_OP):
-        return  # registered by another copy of the pack: its op reads the same table
-
     def patched_linear(x: torch.Tensor, layer: int, activated: bool = False) -> torch.Tensor:
         return _layer(layer).compiled_call(x, activated)
 
@@ -322,13 +319,7 @@ def _register_compiled_op() -> None:
 
 
 def _compiled_op_error() -> str | None:
-    try:
-        _register_compiled_op()
-    except Exception as e:  # a torch whose custom-op schema inference refuses ours: compiled graphs trace ComfyUI's
-        log.warning("Triton Accel: torch.compile'd models will run ComfyUI's %s (our op could not be registered: "
-                    "%s: %s)", "Linear", type(e).__name__, e)
-        return f"{type(e).__name__}: {e}"
-    return None
+    return compiled_ops.registration_error(lambda: _register_compiled_op(), "Linear")
 
 
 COMPILED_OP_ERROR = _compiled_op_error()
