@@ -21,8 +21,9 @@ with:
                fp8_e4m3fn, ComfyUI upcasting per call): our Linear uses the FP8 weights as-is
   ours-linear-unfused / ours-all-unfused  ours-linear / ours-all with every GELU left to
                ComfyUI (none in our GEMM epilogue): the fusion's before/after in one run
-  ours-linear-copy / ours-all-copy  ours-linear / ours-all with Flux's single-block GELU fused
-               too, through the GEMM's contiguous copy (patch_linear_model copy_activations)
+  ours-linear-nocopy / ours-all-nocopy  ours-linear / ours-all with Flux's single-block GELU
+               left to ComfyUI (patch_linear_model copy_activations=False; the default fuses it
+               through the GEMM's contiguous copy)
   <variant>+compile  that variant with ComfyUI's TorchCompileModel (inductor) applied last, as
                a user's graph puts it after the patch nodes ("default+compile" is ComfyUI's
                own compiled model); the first call, which compiles, is left out of the timing
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.abc
 import importlib.util
 import json
 import logging
@@ -224,7 +226,9 @@ def step_fn(patcher, x, t, context, kwargs):
 
         to["wrappers"] = pe.merge_nested_dicts(pe.copy_nested_dicts(to.get("wrappers", {})), patcher.wrappers)
         to["callbacks"] = pe.merge_nested_dicts(pe.copy_nested_dicts(to.get("callbacks", {})), patcher.callbacks)
-        with torch.no_grad():
+        # ComfyUI's executor runs every node, the sampler included, under inference_mode (where
+        # views record no _base: what our fused activations' marks must survive).
+        with torch.inference_mode():
             return patcher.model.apply_model(x, t, c_crossattn=context, transformer_options=to, **kwargs)
     return run
 
@@ -362,14 +366,14 @@ OURS = {"ours-auto": ("auto", None), "ours-triton": ("fp16", None), "ours-fp8": 
         "ours-int8": ("int8", None), "ours-linear": (None, "auto"), "ours-linear-fp8": (None, "fp8"),
         "ours-all": ("auto", "auto"), "ours-all-fp8": ("fp8", "fp8"), "ours-fp8ckpt": ("auto", "auto"),
         "ours-linear-unfused": (None, "auto"), "ours-all-unfused": ("auto", "auto"),
-        "ours-linear-copy": (None, "auto"), "ours-all-copy": ("auto", "auto")}
+        "ours-linear-nocopy": (None, "auto"), "ours-all-nocopy": ("auto", "auto")}
 # Variants whose Linear patch leaves every GELU to ComfyUI (the epilogue fusion's before/after).
 UNFUSED = {"ours-linear-unfused", "ours-all-unfused"}
-# Variants that also fuse Flux's single-block GELU with its contiguous copy (copy_activations).
-COPIED = {"ours-linear-copy", "ours-all-copy"}
+# Variants that leave Flux's single-block GELU (the one fused with a contiguous copy) to ComfyUI.
+NOT_COPIED = {"ours-linear-nocopy", "ours-all-nocopy"}
 
 
-def patch_ours(base, attention_mode, linear_mode, fuse_activations=True, copy_activations=False):
+def patch_ours(base, attention_mode, linear_mode, fuse_activations=True, copy_activations=True):
     """The clone the pack's nodes would hand to the sampler for these settings."""
     from triton_accel_bench.nodes.settings import AccelSettings
 
@@ -409,8 +413,43 @@ def dynamo_summary() -> dict:
                 recompile_limit_hit=counters["unimplemented"].get("recompile_limit reached", 0))
 
 
+class _AbsentPyAVStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Stands in for PyAV ("av") where it is not installed (the GPU machine has no network and
+    its wheel, ~40 MB, does not fit the carry beside comfy-kitchen). ComfyUI 0.29's
+    comfy_api.latest imports av at module level for its video types; TorchCompileModel, the
+    only node that pulls comfy_api.latest in here, never calls into it. Any attribute is a
+    fresh empty class, so module-level `from av.x import Y` and subclassing still work, and
+    anything that really used av would fail loudly. Dunder names are absent, as on a real module
+    without them."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "av" or fullname.startswith("av."):
+            return importlib.util.spec_from_loader(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = type(sys)(spec.name)
+        module.__path__ = []
+        module.__getattr__ = lambda attr: self._placeholder(spec.name, attr)
+        return module
+
+    @staticmethod
+    def _placeholder(module_name, attr):
+        if attr.startswith("__"):  # __file__, __spec__ ...: dynamo walks sys.modules and reads them
+            raise AttributeError(attr)
+        return type(attr, (), {"__module__": module_name})
+
+    def exec_module(self, module):
+        pass
+
+
 def compile_like_the_node(patcher):
     """What ComfyUI's TorchCompileModel node returns for this model (backend inductor)."""
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        logging.getLogger("e2e").warning("PyAV (av) not installed: stubbed so comfy_api.latest imports")
+        sys.meta_path.append(_AbsentPyAVStub())
     from comfy_extras.nodes_torch_compile import TorchCompileModel
 
     return TorchCompileModel.execute(patcher, "inductor").result[0]
@@ -445,7 +484,7 @@ def run_variant_uncompiled(name, variant, base, x, t, context, kwargs, steps, de
     elif variant in OURS:
         try:
             patcher = patch_ours(base, *OURS[variant], fuse_activations=variant not in UNFUSED,
-                                 copy_activations=variant in COPIED)
+                                 copy_activations=variant not in NOT_COPIED)
         except Exception as e:
             return dict(model=name, variant=variant, error=f"patch failed: {type(e).__name__}: {e}"[:300])
     elif variant not in ("default", "comfy-fp8-fast"):

@@ -165,6 +165,9 @@ _checked: set = set()  # (path, call signature) whose output passed the NaN/Inf 
 _served: Counter = Counter()  # path -> calls served
 _failure_counts: dict[str, Counter] = {}  # path -> {reason: calls handed back}
 _generation = [0]  # bumped by every register/unregister: callers key their caches on it
+# How many Linear extensions are registered. A list item, read by linear_count(): torch.compile
+# guards on it where a traced patch reads it, so registering one re-traces (nodes/patch_linear.py).
+_linear_count = [0]
 cache_registry.register("kernels.extensions.failures", _failures.clear)
 cache_registry.register("kernels.extensions.checked", _checked.clear)
 
@@ -354,6 +357,8 @@ def _register(kind: str, name, fn, constraints, priority, lossy, label, pack) ->
         _registrations.by_name[name] = extension
         _forget(extension.path)
         _generation[0] += 1
+        if kind == KIND_LINEAR and previous is None:
+            _linear_count[0] += 1
         trampoline = _linear_trampoline(extension.path) if kind == KIND_LINEAR else _trampoline(extension.path)
         registry.register(Implementation(name=extension.path, op=op, fn=trampoline, priority=priority,
                                          constraints=extension.constraints, by_name_only=True))
@@ -402,7 +407,14 @@ def unregister(name: str) -> bool:
         registry.unregister(LINEAR_OP if extension.kind == KIND_LINEAR else OP, extension.path)
         _forget(extension.path)
         _generation[0] += 1
+        if extension.kind == KIND_LINEAR:
+            _linear_count[0] -= 1
     return True
+
+
+def linear_count() -> int:
+    """How many Linear extensions are registered (plain reads: torch.compile traces this)."""
+    return _linear_count[0]
 
 
 def generation() -> int:

@@ -29,11 +29,12 @@ How, and why this way:
 - Fused activations: a Linear whose output feeds nn.GELU(approximate="tanh") alone (an
   nn.Sequential MLP: Flux's double blocks, Wan's FFN) gets the GELU in its GEMM epilogue,
   saving a pass over the output. Flux's single blocks (GELU on the MLP columns of linear1,
-  then torch.cat) get it too, with patch_linear_model(copy_activations=True), where the kernel
-  can also write those columns to a contiguous copy (fusable_with_copy(): the cat keeps its
-  vectorised kernel); off by default until a wall-clock run shows it pays.
-  Our kernel marks the tensor it activated (ACTIVATED_ATTR on its storage's root tensor, and
-  the copy under ACTIVATED_COPY_ATTR); the GELU module's forward becomes an object patch
+  then torch.cat) get it too (patch_linear_model(copy_activations=True), the default), where
+  the kernel also writes those columns to a contiguous copy (fusable_with_copy(): the cat keeps
+  its vectorised kernel); on the H200 that took a Flux step from 119.6 to 115.4 ms in one
+  alternating run (benchmarks/RESULTS.md, session 25).
+  Our kernel marks the output it activated (ActivationMark on its storage, which its views share,
+  under torch.inference_mode too, with the copy); the GELU module's forward becomes an object patch
   (FusedActivation) that passes a marked tensor through (the copy, when it asks for exactly
   the copied columns) and runs the GELU on anything else. So every call ComfyUI's Linear (or
   an extension) serves is activated exactly once, as before, and only ours is fused.
@@ -43,7 +44,9 @@ How, and why this way:
   traced GELU module runs it). Tracing the eager path instead baked its first answer into the
   graph (weights are prepared on a first call, so every layer was handed back for good) and
   broke the graph at its locks and exceptions. A name-skipped layer, a call with other
-  arguments and a call autograd records are traced as ComfyUI's own Linear.
+  arguments, a call autograd records and a call with a static token count under min_tokens
+  (no Linear extension registered or forced) are traced as ComfyUI's own Linear: inductor
+  compiles those as it would unpatched, and the stats do not count them.
 - Other packs' Linear (kernels/extensions.py register_linear): forced by the Settings node's
   `linear` "ext:<name>", or in auto walked by priority with ours where auto runs ours
   (extension_plan). They get the weight in the input's dtype (ComfyUI's cast under dynamic
@@ -368,9 +371,28 @@ class LinearLayer:
         """What a torch.compile trace records for this call: the opaque op (its run time is
         _eager, unfused), or ComfyUI's Linear traced as it is where our path could never serve."""
         if (COMPILED_OP_ERROR is not None or self.skip_reason is not None or len(args) != 1 or kwargs
-                or not isinstance(args[0], torch.Tensor) or torch.is_grad_enabled()):
+                or not isinstance(args[0], torch.Tensor) or torch.is_grad_enabled()
+                or self.too_few_tokens_to_trace(args[0])):
             return self.previous(*args, **kwargs)
         return torch.ops.triton_accel.patched_linear(args[0], self.token)
+
+    def too_few_tokens_to_trace(self, x) -> bool:
+        """Whether a traced call is one _eager hands back whatever happens at run time: a static
+        token count under min_tokens (check_call's last test, which every path of ours applies,
+        dynamic VRAM's included), with no Linear extension that might take it (they bring their
+        own minimum) registered or forced. Traced as ComfyUI's Linear, such a call costs no op
+        dispatch or hand-back at run time (Flux's 512-row text stream: 76 calls a step) and
+        inductor fuses around it. Read under tracing: torch.compile guards on min_tokens, the
+        mode, extensions.linear_count() and, for symbolic shapes (dynamic=True), on the count's
+        side of min_tokens, so a change there re-traces."""
+        if extensions.linear_count() or self.state.settings.linear_mode.startswith(extensions.PREFIX):
+            return False
+        if x.dim() < 1:
+            return False
+        numel, features = x.numel(), x.shape[-1]
+        if type(numel) is not int or type(features) is not int or features <= 0:
+            return False
+        return numel // features < self.state.min_tokens
 
     def traces_fused(self, x) -> bool:
         """Whether a trace of this layer followed by its activation module may record one
@@ -378,7 +400,8 @@ class LinearLayer:
         applied to all output columns (the in-place kind, no contiguous copy)."""
         return (COMPILED_OP_ERROR is None and self.skip_reason is None and isinstance(x, torch.Tensor)
                 and not torch.is_grad_enabled() and self.activation is not None and not self.activation_copy
-                and self.activation[1] == 0 and self.activation_forward is not None)
+                and self.activation[1] == 0 and self.activation_forward is not None
+                and not self.too_few_tokens_to_trace(x))
 
     def compiled_call(self, x: torch.Tensor, activated: bool = False) -> torch.Tensor:
         """The run time of a traced call (the patched_linear op), in x's dtype as the op's fake
@@ -555,7 +578,7 @@ class LinearLayer:
         tracing (a traced graph keeps no marks), and for a layer whose activated columns need a
         contiguous copy only where `method`'s kernel writes one (else the consumer would get a
         strided slice: ComfyUI's GELU runs instead)."""
-        if self.activation is None or _is_compiling() or _UNFUSED.get():
+        if self.activation is None or _is_compiling() or _UNFUSED.get() or not storage_marks_work():
             return False
         return not self.activation_copy or method in self.state.backend.activation_out_methods
 
@@ -1199,49 +1222,92 @@ def _streamed_hand_back(layer: LinearLayer, x: torch.Tensor, reference, reason: 
 
 ACTIVATION_GELU_TANH = "gelu_tanh"  # kernels.linear's activation name for nn.GELU(approximate="tanh")
 # Set on the root tensor of a Linear output whose columns >= the value our kernel activated.
-ACTIVATED_ATTR = "_triton_accel_activated_from"
-# Set beside it when the kernel also wrote those columns to a contiguous tensor: that tensor.
-ACTIVATED_COPY_ATTR = "_triton_accel_activated_copy"
+# The mark lives on the output's storage, which every view of it shares: ComfyUI runs its
+# samplers under torch.inference_mode, where a view (torch.split's mlp columns) records no _base,
+# so a mark on the output tensor was not found from its views there (the single block's GELU
+# then ran a second time on activated columns; tests/integration caught it). torch keeps one
+# Python object per storage, as per tensor (checked once: storage_marks_work()).
+ACTIVATION_MARK_ATTR = "_triton_accel_activation"
+
+
+@dataclass(frozen=True)
+class ActivationMark:
+    """What our kernel wrote into a storage: `rows` x `width` output elements from storage
+    offset `offset`, columns >= `first` activated, and `copy` (or None), a contiguous tensor
+    holding those same columns."""
+    first: int
+    offset: int
+    rows: int
+    width: int
+    copy: torch.Tensor | None = None
+
+
+_storage_marks: list[bool] = []
+
+
+def storage_marks_work() -> bool:
+    """Whether an attribute set on a tensor's untyped_storage() is read back through a view
+    made under torch.inference_mode (PyObject preservation of storages). Where it is not,
+    nothing is fused: an unmarked activated output would get its GELU twice."""
+    if not _storage_marks:
+        try:
+            with torch.inference_mode():
+                probe = torch.zeros(2, 4)
+                setattr(probe.untyped_storage(), ACTIVATION_MARK_ATTR, ActivationMark(2, 0, 2, 4))
+                view = torch.split(probe, [2, 2], dim=-1)[1]
+                del probe
+                works = isinstance(getattr(view.untyped_storage(), ACTIVATION_MARK_ATTR, None), ActivationMark)
+        except Exception as e:  # a torch without untyped_storage() or attributes on it
+            log.debug("Triton Accel Linear: storage marks unavailable: %s", e)
+            works = False
+        if not works:
+            log.info("Triton Accel Linear: this torch keeps no attributes on tensor storages: GELUs are not fused")
+        _storage_marks.append(works)
+    return _storage_marks[0]
 
 
 def mark_activated(out: torch.Tensor, first: int, copy: torch.Tensor | None = None) -> None:
-    """Mark the storage root of our kernel's output: columns >= first hold GELU(x @ W.T + b)
-    (and `copy`, contiguous, holds the same columns). The root, because the caller gets a
-    reshaped view of the kernel's [M, N] tensor and views of views (torch.split) all point to
-    it as their _base."""
-    root = out if out._base is None else out._base
-    setattr(root, ACTIVATED_ATTR, int(first))
-    if copy is not None:
-        setattr(root, ACTIVATED_COPY_ATTR, copy)
+    """Mark our kernel's output (contiguous, as the kernel wrote it): columns >= first hold
+    GELU(x @ W.T + b), and `copy`, contiguous, holds the same columns."""
+    width = out.shape[-1] if out.dim() else 0
+    mark = ActivationMark(int(first), out.storage_offset(), out.numel() // max(width, 1), width, copy)
+    setattr(out.untyped_storage(), ACTIVATION_MARK_ATTR, mark)
+
+
+def _mark_of(x: torch.Tensor) -> ActivationMark | None:
+    try:
+        return getattr(x.untyped_storage(), ACTIVATION_MARK_ATTR, None)
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return None
 
 
 def activated_copy(x: torch.Tensor) -> torch.Tensor | None:
     """The contiguous copy of x when x is exactly the copied columns of a marked output (all
     rows, columns first..end: torch.split's tail), shaped as x; else None."""
-    root = x if x._base is None else x._base
-    copy = getattr(root, ACTIVATED_COPY_ATTR, None)
-    if copy is None or not is_activated(x):
+    mark = _mark_of(x)
+    if mark is None or mark.copy is None or not _within(x, mark):
         return None
-    first = getattr(root, ACTIVATED_ATTR)
-    if x.storage_offset() - root.storage_offset() != first or x.numel() != copy.numel():
+    if x.storage_offset() - mark.offset != mark.first or x.numel() != mark.copy.numel():
         return None
-    return copy.view(x.shape)
+    return mark.copy.view(x.shape)
 
 
 def is_activated(x: torch.Tensor) -> bool:
     """Whether x lies within columns our kernel already activated: the marked output itself
-    (activated from column 0) or a view of whole rows' trailing columns of it (split off a
-    fused projection). Anything else (a copy, a cast, other columns) is not."""
-    root = x if x._base is None else x._base
-    first = getattr(root, ACTIVATED_ATTR, None)
-    if first is None or x.dim() < 1 or root.dim() < 1 or x.stride(-1) != 1 or root.stride(-1) != 1:
+    (activated from column 0), a reshape of it, or a view of whole rows' trailing columns of it
+    (split off a fused projection). Anything else (a copy, a cast, other columns) is not."""
+    mark = _mark_of(x)
+    return mark is not None and _within(x, mark)
+
+
+def _within(x: torch.Tensor, mark: ActivationMark) -> bool:
+    if x.dim() < 1 or x.stride(-1) != 1:
         return False
-    width = root.shape[-1]
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows != root.numel() // max(width, 1) or (x.dim() >= 2 and rows > 1 and x.stride(-2) != width):
+    if rows != mark.rows or (x.dim() >= 2 and rows > 1 and x.stride(-2) != mark.width):
         return False
-    column = x.storage_offset() - root.storage_offset()
-    return first <= column and column + x.shape[-1] == width
+    column = x.storage_offset() - mark.offset
+    return mark.first <= column and column + x.shape[-1] == mark.width
 
 
 class _ModulePatch:
@@ -1395,14 +1461,14 @@ def patch_linear_model(model, settings: AccelSettings | None = None, skip: str =
                        min_tokens: int = MIN_TOKENS, backend: LinearBackend | None = None,
                        label: str | None = None, dynamic_vram: str = DYNAMIC_VRAM_AUTO,
                        weight_cast: ComfyWeightCast | None = None, fuse_activations: bool = True,
-                       copy_activations: bool = False):
+                       copy_activations: bool = True):
     """A clone of `model` (a ComfyUI ModelPatcher) whose diffusion model's Linear layers go
     through kernels.linear. `label`: call_stats' name for the clone (a new one when None);
     `dynamic_vram`: one of DYNAMIC_VRAM_MODES (what calls whose weights ComfyUI streams get);
     `fuse_activations`: GELUs fed by a served Linear run in its GEMM epilogue (FusedActivation);
     `copy_activations`: Flux's single blocks too, with the contiguous copy (fusable_with_copy()).
-    Off by default: it saves 4.3 ms of a Flux step's kernels on the H200, but the wall-clock
-    runs so far did not show a gain (benchmarks/RESULTS.md, session 21).
+    On by default: 4.2 ms off a 119.6 ms Flux step on the H200, measured in one ABBA run
+    (benchmarks/RESULTS.md, session 25); peak memory +0.2 GiB.
     Raises ValueError for a skip pattern that does not parse or an unknown dynamic_vram."""
     settings = settings or AccelSettings("auto")
     patterns = SkipPatterns.parse(skip)

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from triton_accel import kernels
+from triton_accel.kernels import extensions
 from triton_accel.kernels.linear import linear_ref
 from triton_accel.nodes import call_stats
 from triton_accel.nodes import patch_linear as pl
@@ -813,7 +814,7 @@ def test_single_blocks_whose_mlp_takes_another_slice_are_left_alone(variant):
     assert pl.fusable_with_copy(root) == []
 
 
-@pytest.mark.parametrize("copies", [False, True], ids=["default", "copy_activations"])
+@pytest.mark.parametrize("copies", [False, True], ids=["no_copy", "default_copy"])
 @pytest.mark.parametrize("mode", ["fp8", "int8", "fp8_weight_only"])
 def test_gelu_runs_in_the_gemm_and_the_model_matches_unpatched(mode, copies, gelu_calls):
     method = _method_available(mode)
@@ -958,12 +959,15 @@ def test_torch_compile_serves_every_layer_through_one_op(gelu_calls, backend, mo
 
 def test_torch_compile_fused_op_applies_comfyuis_gelu_where_it_hands_back():
     """The activated op of a Sequential's Linear + GELU: a call our kernel does not serve at run
-    time (here: fewer tokens than min_tokens) goes to ComfyUI's Linear, and then the GELU
-    module's own forward applies the activation: the compiled model equals the unpatched one."""
+    time (here: each layer sent back by a quality guard that failed after the trace) goes to
+    ComfyUI's Linear, and then the GELU module's own forward applies the activation: the
+    compiled model equals the unpatched one."""
     _method_available("fp8")
     base, x, expected = _fusable()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=10 ** 6)
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
     patched.patch_model()
+    for each in patched.triton_accel_linear.layers:  # read at run time only: the trace records the op
+        each.fallbacks[pl.device_key(x.device)] = "quality guard: rel. L2 1.0 (test)"
     layer = next(layer for layer in patched.triton_accel_linear.layers if layer.name == "double_mlp.0")
     applied = []
     forward = layer.activation_forward
@@ -975,6 +979,51 @@ def test_torch_compile_fused_op_applies_comfyuis_gelu_where_it_hands_back():
     assert stats["served"] == 0 and stats["handed_back"] == 4, stats
     assert applied == [(2, 40, 96)]  # ComfyUI's GELU forward, once, on ComfyUI's Linear output
     assert torch.equal(out, expected)  # no GELU missing, none applied twice
+    patched.detach()
+
+
+def test_torch_compile_traces_calls_under_min_tokens_as_comfyui():
+    """A static token count under min_tokens is handed back whatever happens at run time, so it
+    is traced as ComfyUI's Linear (the Sequential's pair as it is): no op in the graph, nothing
+    counted, the compiled model equal to the unpatched one. A Linear extension (it might take
+    such calls) registered after the compile re-traces with the op, as do symbolic shapes, whose
+    count is known only at run time; both hand back at run time."""
+    _method_available("fp8")
+    base, x, expected = _fusable()
+    longer = torch.randn(2, x.shape[1] + 8, x.shape[2])
+    with torch.no_grad():
+        expected_longer = base.model.diffusion_model(longer)  # unpatched
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=x.shape[0] * x.shape[1] + 1)
+    patched.patch_model()
+    graphs = []
+    torch.compiler.reset()
+    model = torch.compile(patched.model.diffusion_model, fullgraph=True, backend=_recording_backend(graphs))
+    with torch.no_grad():
+        out = model(x)
+    assert len(graphs) == 1 and _compiled_ops(graphs) == 0 and _activated_ops(graphs) == 0
+    assert _linear_stats()["served"] == 0 and _linear_stats()["handed_back"] == 0
+    assert torch.equal(out, expected)
+    path = extensions.register_linear(f"t{uuid.uuid4().hex[:8]}", lambda x, w, b: F.linear(x, w, b),
+                                     constraints={"device_types": ["cpu"]})
+    try:
+        with torch.no_grad():
+            again = model(x)  # the guard on extensions.linear_count() fails: a second trace
+        assert len(graphs) == 2 and _compiled_ops(graphs[1:]) == 4
+        assert _linear_stats()["handed_back"] == 4 and _linear_stats()["served"] == 0
+        assert torch.equal(again, expected)
+    finally:
+        extensions.unregister(path)
+    graphs.clear()
+    call_stats.reset()
+    torch.compiler.reset()
+    model = torch.compile(patched.model.diffusion_model, fullgraph=True, dynamic=True,
+                          backend=_recording_backend(graphs))
+    with torch.no_grad():
+        out = model(x)
+        assert _compiled_ops(graphs) == 0 and torch.equal(out, expected)
+        out = model(longer)  # over min_tokens: dynamo's guard on the symbolic count re-traces
+        assert _compiled_ops(graphs) == 4 and _linear_stats()["served"] == 4
+        assert _rel_l2(out, expected_longer) < 0.05  # FP8 W8A8 through 4 layers (~0.02)
     patched.detach()
 
 
@@ -1124,7 +1173,17 @@ def test_copy_layer_without_a_copying_method_leaves_the_gelu_to_comfyui(gelu_cal
     patched.detach()
 
 
-def test_is_activated_follows_views_of_the_marked_output():
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_is_activated_follows_views_of_the_marked_output(grad_mode):
+    """Under torch.inference_mode (how ComfyUI runs its samplers) views record no _base: the
+    mark must still be found from them, through the storage they share."""
+    context = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with context:
+        _check_marks_follow_views()
+
+
+def _check_marks_follow_views():
+    assert pl.storage_marks_work()
     out2d = torch.randn(6, 40)
     view = out2d.reshape(2, 3, 40)
     pl.mark_activated(view, 16)
@@ -1138,6 +1197,34 @@ def test_is_activated_follows_views_of_the_marked_output():
     pl.mark_activated(whole, 0)
     assert pl.is_activated(whole) and pl.is_activated(whole.view(2, 2, 32))
     assert not pl.is_activated(whole.t()) and not pl.is_activated(torch.randn(4, 32))
+    wide = torch.randn(2, 3, 40)
+    copy = torch.randn(2, 3, 24)
+    pl.mark_activated(wide, 16, copy)
+    qkv, mlp = torch.split(wide, [16, 24], dim=-1)
+    del wide  # the split's views alone keep the storage (and its mark)
+    assert pl.activated_copy(mlp) is not None and torch.equal(pl.activated_copy(mlp), copy)
+    assert pl.activated_copy(qkv) is None and pl.activated_copy(mlp[..., 8:]) is None
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["no_copy", "default_copy"])
+def test_fused_model_under_inference_mode_matches_no_grad(copies, gelu_calls):
+    """ComfyUI samples under torch.inference_mode: every fused GELU (the Sequential's, and the
+    single block's through its copy) must run exactly once there too, giving what the same
+    patch gives under no_grad (bit for bit) and the unpatched model within MODEL_TOL."""
+    _method_available("fp8")
+    base, x, expected = _fusable()
+    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, copy_activations=copies)
+    patched.patch_model()
+    with torch.no_grad():
+        patched.model.diffusion_model(x)  # the guard's call
+        under_no_grad = patched.model.diffusion_model(x)
+    gelu_calls.clear()
+    with torch.inference_mode():
+        under_inference = patched.model.diffusion_model(x)
+    assert gelu_calls == ([] if copies else [(2, 40, 96)])
+    assert torch.equal(under_inference, under_no_grad)
+    assert _rel_l2(under_inference, expected) < MODEL_TOL
+    patched.detach()
 
 
 def test_torch_compile_without_our_op_traces_comfyuis_linear(monkeypatch, caplog):
