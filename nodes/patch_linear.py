@@ -385,7 +385,7 @@ class LinearLayer:
         inductor fuses around it. Read under tracing: torch.compile guards on min_tokens, the
         mode, extensions.linear_count() and, for symbolic shapes (dynamic=True), on the count's
         side of min_tokens, so a change there re-traces."""
-        if extensions.linear_count() or self.state.settings.linear_mode.startswith(extensions.PREFIX):
+        if extensions.linear_count() or extensions.is_extension_path(self.state.settings.linear_mode):
             return False
         if x.dim() < 1:
             return False
@@ -1221,7 +1221,6 @@ def _streamed_hand_back(layer: LinearLayer, x: torch.Tensor, reference, reason: 
 # ---- fused activations ----------------------------------------------------------------------
 
 ACTIVATION_GELU_TANH = "gelu_tanh"  # kernels.linear's activation name for nn.GELU(approximate="tanh")
-# Set on the root tensor of a Linear output whose columns >= the value our kernel activated.
 # The mark lives on the output's storage, which every view of it shares: ComfyUI runs its
 # samplers under torch.inference_mode, where a view (torch.split's mlp columns) records no _base,
 # so a mark on the output tensor was not found from its views there (the single block's GELU
