@@ -4,6 +4,7 @@
     python benchmarks/gluon_attention_bench.py [--out DIR] [--shapes flux,wan,hunyuan,sd3]
                                                 [--configs sm90,sm90_two_level] [--rep MS]
                                                 [--bf16-shapes flux,wan,hunyuan,hd256,gqa]
+                                                [--bf16-configs NAME,...] [--lite]
 
 1. the installed Triton's Gluon facts (version, what gluon_refusal says, warp_specialize's
    parameters, the TMA copy's name);
@@ -17,6 +18,10 @@
    GQA, head dims 40/64/128/256, a [B, L, H, D]-permuted layout) beside SDPA cuDNN's, then
    do_bench (eager and CUDA-graph) against SDPA cuDNN / flash and our plain-Triton kernel at
    Flux, Wan, HunyuanVideo, head dim 256 (1,12,4096,256) and GQA 32/8 (1,32,4608,128).
+--bf16-configs adds GLUON_BF16_CONFIGS entries beside the default BF16 config (accuracy and
+speed, at the head dims they are made for); --lite times every FP8 config with and without its
+quantisation but leaves graph replay, host time, the profiler breakdown, attention_fp8_full and
+our plain BF16 row to the first config (a sweep of candidate configs in one short device call).
 Prints a table last and writes gluon_attention.json under --out (default: $OUT or .).
 """
 from __future__ import annotations
@@ -44,7 +49,7 @@ attn = importlib.import_module(pack.__name__ + ".kernels.attention")
 
 SHAPES = {"flux": (1, 24, 4608, 128), "wan": (1, 40, 32760, 128), "hunyuan": (1, 24, 33390, 128),
           "sd3": (2, 24, 4429, 64)}
-SMALL = [(1, 2, 1000, 128), (2, 3, 77, 64), (1, 2, 200, 128), (1, 2, 300, 40), (1, 1, 4097, 128)]
+SMALL = [(1, 2, 1000, 128), (2, 3, 77, 64), (1, 2, 200, 128), (1, 2, 300, 40), (1, 1, 4097, 128), (1, 2, 50, 128)]
 # name -> (B, H, L, D, H_kv) for the BF16 rows.
 BF16_SHAPES = {"flux": (1, 24, 4608, 128, 24), "wan": (1, 40, 32760, 128, 40), "hunyuan": (1, 24, 33390, 128, 24),
                "hd256": (1, 12, 4096, 256, 12), "gqa": (1, 32, 4608, 128, 8), "sd3": (2, 24, 4429, 64, 24)}
@@ -87,11 +92,12 @@ def gluon_facts():
     return facts
 
 
-def runners(configs):
+def runners(configs, lite=False):
     """name -> fn(q, k, v): every FP8 path whose accuracy is checked."""
     out = {f"gluon_{c}": (lambda c: lambda q, k, v: glu.attention_gluon_fp8(q, k, v, config=glu.GLUON_CONFIGS[c]))(c)
            for c in configs}
-    out["fp8_full"] = lambda q, k, v: full.attention_fp8_full(q, k, v)
+    if not lite:
+        out["fp8_full"] = lambda q, k, v: full.attention_fp8_full(q, k, v)
     return out
 
 
@@ -114,15 +120,21 @@ def bench(fn, rep):
     return do_bench(fn, warmup=max(25, rep // 4), rep=rep, return_mode="median")
 
 
-def speed(shape, configs, rep):
+def speed(shape, configs, rep, lite=False):
+    """lite: graph replay, host time and the profiler breakdown for the first config only."""
     from torch.nn.attention import SDPBackend
     q, k, v = full.accuracy_inputs("gauss", shape, torch.bfloat16, "cuda", seed=1)
     scale = shape[3] ** -0.5
     ms, breakdown = {}, {}
-    for c in configs:
+    for i, c in enumerate(configs):
         cfg = glu.GLUON_CONFIGS[c]
         try:
             ms[f"gluon_{c}"] = bench(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg), rep)
+            qkv = quant.quantize_qkv(q, k, v, scale * 1.0, glu.BLOCK_M, cfg["BLOCK_N"])
+            ms[f"gluon_{c}_kernel"] = bench(
+                lambda: glu.attention_gluon_fp8_quantized(qkv, q.shape, shape[2], q.dtype, q.device, cfg), rep)
+            if lite and i > 0:
+                continue
             # CUDA-graph replay: the same work without the host's launch cost (3 quantisation
             # launches, 5 tensor descriptors and the Gluon launch per call).
             ms[f"gluon_{c}_graph"] = graph_ms(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg))
@@ -131,13 +143,10 @@ def speed(shape, configs, rep):
                 breakdown[c] = kernel_breakdown(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg))
             except Exception as e:
                 breakdown[c] = dict(error=f"{type(e).__name__}: {e}"[:300])
-            qkv = quant.quantize_qkv(q, k, v, scale * 1.0, glu.BLOCK_M, cfg["BLOCK_N"])
-            ms[f"gluon_{c}_kernel"] = bench(
-                lambda: glu.attention_gluon_fp8_quantized(qkv, q.shape, shape[2], q.dtype, q.device, cfg), rep)
         except Exception as e:
             ms[f"gluon_{c}_error"] = f"{type(e).__name__}: {e}"[:300]
-    calls = dict(fp8_full=lambda: full.attention_fp8_full(q, k, v),
-                 ours_bf16=lambda: attn.attention(q, k, v, backend="triton"))
+    calls = {} if lite else dict(fp8_full=lambda: full.attention_fp8_full(q, k, v),
+                                 ours_bf16=lambda: attn.attention(q, k, v, backend="triton"))
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         calls[name] = (lambda b: lambda: _sdpa(q, k, v, b))(backend)
     for name, fn in calls.items():
@@ -223,7 +232,13 @@ def _sdpa_gqa(q, k, v, backend):
                 q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
 
 
-def bf16_accuracy():
+def bf16_extra_configs(head_dim, names):
+    """The named GLUON_BF16_CONFIGS (--bf16-configs) made for this head dim's block."""
+    prefix = f"sm90_d{glb.block_head_dim(head_dim)}_"
+    return {n: glb.GLUON_BF16_CONFIGS[n] for n in names if n.startswith(prefix)}
+
+
+def bf16_accuracy(extra=()):
     from torch.nn.attention import SDPBackend
     rows = {}
     for case in BF16_SMALL:
@@ -234,6 +249,11 @@ def bf16_accuracy():
             try:
                 o = glb.attention_gluon_bf16(q, k, v)
                 rows[name] = dict(gluon=metrics(o, ref), layout_kept=o.stride() == q.stride(), cudnn=None)
+                for cname, cfg in bf16_extra_configs(case[4], extra).items():
+                    try:
+                        rows[name][cname] = metrics(glb.attention_gluon_bf16(q, k, v, config=cfg), ref)
+                    except Exception as e:
+                        rows[name][cname] = dict(error=f"{type(e).__name__}: {e}"[:300])
             except Exception as e:
                 rows[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
                 continue
@@ -244,16 +264,18 @@ def bf16_accuracy():
     return rows
 
 
-def bf16_speed(name, rep):
+def bf16_speed(name, rep, extra=()):
     from torch.nn.attention import SDPBackend
     B, H, L, D, Hk = BF16_SHAPES[name]
     q, k, v = bf16_inputs(B, H, L, L, D, Hk, "bhld", torch.bfloat16, seed=1)
     ref = bf16_reference(q[:, :2], k[:, :max(1, 2 * Hk // H)], v[:, :max(1, 2 * Hk // H)])
     acc = {}
-    calls = {"gluon_bf16": lambda: glb.attention_gluon_bf16(q, k, v),
+    calls = {f"gluon_bf16_{c}": (lambda cfg: lambda: glb.attention_gluon_bf16(q, k, v, config=cfg))(cfg)
+             for c, cfg in bf16_extra_configs(D, extra).items()}
+    calls.update({"gluon_bf16": lambda: glb.attention_gluon_bf16(q, k, v),
              "ours_bf16": lambda: attn.attention(q, k, v, backend="triton"),
              "cudnn": lambda: _sdpa_gqa(q, k, v, SDPBackend.CUDNN_ATTENTION),
-             "flash": lambda: _sdpa_gqa(q, k, v, SDPBackend.FLASH_ATTENTION)}
+             "flash": lambda: _sdpa_gqa(q, k, v, SDPBackend.FLASH_ATTENTION)})
     ms = {}
     for n, fn in calls.items():
         try:
@@ -277,7 +299,9 @@ def print_table(result):
             print(f"{shape:>22} {name:<34} {text}")
     for case, row in result.get("bf16_accuracy", {}).items():
         text = row.get("error") or "gluon {cos:.6f} / {rel_l2:.4f}".format(**row["gluon"]) + (
-            "   cudnn {cos:.6f} / {rel_l2:.4f}".format(**row["cudnn"]) if row.get("cudnn") else "")
+            "   cudnn {cos:.6f} / {rel_l2:.4f}".format(**row["cudnn"]) if row.get("cudnn") else "") + "".join(
+            f"   {n} " + (m.get("error") or "{cos:.6f} / {rel_l2:.4f}".format(**m))[:80]
+            for n, m in row.items() if n.startswith("sm90_"))
         print(f"bf16 {case:<44} {text}")
     print("\n== TFLOP/s (median do_bench; ratio to SDPA cuDNN)")
     for shape, sp in list(result["speed"].items()) + [("bf16 " + n, sp) for n, sp in result["bf16_speed"].items()]:
@@ -299,28 +323,31 @@ def main():
     ap.add_argument("--acc-heads", type=int, default=2)
     ap.add_argument("--bf16-shapes", default="flux,wan,hunyuan,hd256,gqa")
     ap.add_argument("--small", type=int, default=1, help="0: skip the FP8 small-shape accuracy cases")
+    ap.add_argument("--bf16-configs", default="", help="extra GLUON_BF16_CONFIGS names, measured beside the default")
+    ap.add_argument("--lite", action="store_true", help="graph/host/profile for the first FP8 config only")
     args = ap.parse_args()
+    extra = [c for c in args.bf16_configs.split(",") if c]
     configs = [c for c in args.configs.split(",") if c]
     t0 = time.time()
     result = dict(facts=gluon_facts(), accuracy={}, speed={}, bf16_accuracy={}, bf16_speed={})
     print(json.dumps(result["facts"]), flush=True)
-    fns = runners(configs)
+    fns = runners(configs, args.lite)
     for shape in SMALL if args.small else []:
         result["accuracy"][str(shape)] = accuracy(shape, fns)
         print(shape, json.dumps(result["accuracy"][str(shape)]), flush=True)
     for name in [s for s in args.shapes.split(",") if s]:
         shape = SHAPES[name]
         result["accuracy"][name] = accuracy(shape, fns, heads=args.acc_heads)
-        result["speed"][name] = speed(shape, configs, args.rep)
+        result["speed"][name] = speed(shape, configs, args.rep, args.lite)
         print(name, f"{time.time() - t0:.0f}s", json.dumps(result["speed"][name]["tflops"]), flush=True)
         save(result, args.out)  # after every shape: a run cut short still leaves its figures
         torch.cuda.empty_cache()
     bf16_names = [s for s in args.bf16_shapes.split(",") if s]
     if bf16_names:
-        result["bf16_accuracy"] = bf16_accuracy()
+        result["bf16_accuracy"] = bf16_accuracy(extra)
         print("bf16 accuracy", json.dumps(result["bf16_accuracy"]), flush=True)
     for name in bf16_names:
-        result["bf16_speed"][name] = bf16_speed(name, args.rep)
+        result["bf16_speed"][name] = bf16_speed(name, args.rep, extra)
         print("bf16", name, f"{time.time() - t0:.0f}s", json.dumps(result["bf16_speed"][name]), flush=True)
         save(result, args.out)
         torch.cuda.empty_cache()

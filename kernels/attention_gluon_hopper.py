@@ -232,7 +232,17 @@ if gluon is not None:
         # Each warpgroup on its own: Q.K^T of tile j+1 is issued before tile j's softmax;
         # the two warpgroups interleave as the warp schedulers see fit (FlashAttention-3's
         # explicit ping-pong, turn barriers between the warpgroups, measured 15-20% slower
-        # here on the H200: 642 against 770 TFLOP/s at Wan).
+        # here on the H200: 642 against 770 TFLOP/s at Wan). Also measured, none faster (H200,
+        # Triton 3.6, 2026-12-04, benchmarks/results/h200_2026-12-04_s26_gluon_variants*):
+        # - P.V kept one tile behind so that tile j's softmax runs under both Q.K^T(j+1) and
+        #   P.V(j-1). With two P tiles live it needs BLOCK_N = 64 (128 spills in 232 registers;
+        #   a P.V left running across the back edge makes ptxas serialise every wgmma, C7514),
+        #   and the smaller tile costs more than the overlap gains: Wan kernel 587-610 TFLOP/s
+        #   against 785 here (BLOCK_N = 64 without the lag: 644).
+        # - the key block's scale loaded one tile ahead (752-780 at Wan), 240 consumer registers
+        #   (782), both, or with STAGES=3: all within the run's +-3 % of this loop (786).
+        # - exp2 in f16x2 does not halve the MUFU work: ptxas splits ex2.approx.f16x2 (and
+        #   bf16x2) into two scalar MUFU.EX2 on sm_90 (checked in the SASS).
         s = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, 0, STAGES, N_OUT)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
