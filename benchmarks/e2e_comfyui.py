@@ -24,6 +24,9 @@ with:
   ours-linear-nocopy / ours-all-nocopy  ours-linear / ours-all with Flux's single-block GELU
                left to ComfyUI (patch_linear_model copy_activations=False; the default fuses it
                through the GEMM's contiguous copy)
+  <variant>+lean  that variant with TRITON_ACCEL_GLUON_VARIANT=lean while it runs (the Gluon
+               attention kernels' compile-checked loop variant; docs/settings.md), e.g.
+               ours-all+lean or ours-all+lean+compile
   <variant>+compile  that variant with ComfyUI's TorchCompileModel (inductor) applied last, as
                a user's graph puts it after the patch nodes ("default+compile" is ComfyUI's
                own compiled model); the first call, which compiles, is left out of the timing
@@ -401,6 +404,7 @@ def fast_launch_state() -> dict:
 
 
 COMPILED_SUFFIX = "+compile"
+LEAN_SUFFIX = "+lean"
 
 
 def dynamo_summary() -> dict:
@@ -455,9 +459,34 @@ def compile_like_the_node(patcher):
     return TorchCompileModel.execute(patcher, "inductor").result[0]
 
 
+def base_variant(variant: str) -> str:
+    """The variant without its +lean and +compile suffixes."""
+    return variant.removesuffix(COMPILED_SUFFIX).replace(LEAN_SUFFIX, "")
+
+
+@contextlib.contextmanager
+def gluon_variant(value):
+    """TRITON_ACCEL_GLUON_VARIANT=value (None: unset) while a variant runs; the kernels read it
+    per call, so variants of one process do not leak into each other."""
+    name = "TRITON_ACCEL_GLUON_VARIANT"
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False):
-    row = run_variant_uncompiled(name, variant.removesuffix(COMPILED_SUFFIX), base, x, t, context, kwargs, steps,
-                                 device, ref, dynamic_vram, compiled=variant.endswith(COMPILED_SUFFIX))
+    with gluon_variant("lean" if LEAN_SUFFIX in variant else None):
+        row = run_variant_uncompiled(name, base_variant(variant), base, x, t, context, kwargs, steps,
+                                     device, ref, dynamic_vram, compiled=variant.endswith(COMPILED_SUFFIX))
     row["variant"] = variant
     return row
 
@@ -637,7 +666,7 @@ def main():
             ref = torch.load(args.ref_file).to(device)
         # Variants grouped by the weights they need: one full-size model in memory at a time.
         for weights in ("bf16", "fp8-fast", "fp8"):
-            todo = [v for v in args.variants if WEIGHTS_OF.get(v.removesuffix(COMPILED_SUFFIX), "bf16") == weights]
+            todo = [v for v in args.variants if WEIGHTS_OF.get(base_variant(v), "bf16") == weights]
             if not todo:
                 continue
             t_build = time.perf_counter()

@@ -73,12 +73,20 @@ class QuantizedQKV(NamedTuple):
     k8: torch.Tensor  # [B*H, LK_PAD, BLOCK_D] e4m3 of k - mean_k
     sk: torch.Tensor  # [B*H, NKB] fp32
     ks: torch.Tensor  # [B*H, LK_PAD, 2*N] e4m3 side operand [k_hi, k_lo] on sk
-    vt8: torch.Tensor  # [B*H, BLOCK_D, LK_PAD] e4m3 of (v - mean_v) / sv, transposed
+    vt8: torch.Tensor  # [B*H, BLOCK_D, LK_PAD] e4m3 of (v - mean_v) / sv, transposed (keys permuted: v_key_perm)
     sv: torch.Tensor  # [B*H, BLOCK_D] fp32 per-channel scales of V
     vmean: torch.Tensor  # [B*H, BLOCK_D] fp32
     n_outlier: int
     block_m: int
     block_n: int
+    v_key_perm: bool = False  # VT8's keys in v_key_order() within each 32-key group
+
+
+def v_key_order(n: int) -> int:
+    """Where quantize_qkv(v_key_perm=True) stores key n in VT8: bits 1-2 and 3 of n's place
+    inside its 32-key group swap places (n = 16 c1 + 8 c0 + 2 t + e -> 16 c1 + 4 t + 2 c0 + e),
+    the column order in which the Gluon kernel's PERM_P hands P to wgmma without shuffles."""
+    return (n & ~31) | (n & 16) | ((n >> 1) & 3) << 2 | ((n >> 3) & 1) << 1 | (n & 1)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -258,7 +266,7 @@ if triton is not None:
         q_scale_mul,
         H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        N_OUT: tl.constexpr, EXACT_CAST: tl.constexpr,
+        N_OUT: tl.constexpr, EXACT_CAST: tl.constexpr, V_KEY_PERM: tl.constexpr = False,
     ):
         """Program (i, bh, role) quantises block i of Q (role 0), K (role 1) or V (role 2):
         three independent tiles per launch rather than three in a row per program, so more
@@ -312,7 +320,10 @@ if triton is not None:
             x = _quant_rows(Xv, stride_vl, stride_vd, rows, cols, LK, HEAD_DIM, v_mean[None, :], 1.0)
             y = tl.minimum(tl.maximum(x * inv_sv[None, :], -448.0), 448.0)
             # Stored [D, L]: keys contiguous, the K-major layout P.V's fp8 MMA needs.
-            tl.store(VT8 + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :],
+            keys = rows
+            if V_KEY_PERM:  # v_key_order(); stays inside the 32-key group, so in this tile
+                keys = (rows & -32) | (rows & 16) | ((rows >> 1) & 3) << 2 | ((rows >> 3) & 1) << 1 | (rows & 1)
+            tl.store(VT8 + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + keys[None, :],
                      tl.trans(_to_e4m3(y, EXACT_CAST)))
 
 
@@ -331,11 +342,14 @@ def _carve(buffer: torch.Tensor, shapes):
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_m: int, block_n: int,
-                 n_outlier: int = N_OUTLIER, exact_cast: bool = False, tuning: dict | None = None) -> QuantizedQKV:
+                 n_outlier: int = N_OUTLIER, exact_cast: bool = False, tuning: dict | None = None,
+                 v_key_perm: bool = False) -> QuantizedQKV:
     """q [B, H, Lq, D], k/v [B, H, Lk, D] (fp16/bf16/fp32, any strides, same head count) ->
     QuantizedQKV for attention_fp8_full's kernel. `scale` is the softmax scale; block_m /
     block_n must be the attention kernel's tile sizes (one scale per tile). `tuning`: keys of
-    QUANT_TUNING to override (launch shapes only; the result is the same but for Q_SAMPLE)."""
+    QUANT_TUNING to override (launch shapes only; the result is the same but for Q_SAMPLE).
+    v_key_perm stores VT8's keys in v_key_order() (the Gluon kernel's PERM_P configs); needs
+    block_n a multiple of 32."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     bh = B * H
@@ -343,6 +357,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     n = int(n_outlier)
     if n and (n & (n - 1) or n < 16):
         raise ValueError(f"n_outlier must be 0 or a power of two >= 16 (2*n is an fp8 MMA depth), got {n}")
+    if v_key_perm and block_n % 32:
+        raise ValueError(f"v_key_perm permutes keys inside groups of 32: block_n must be a multiple of 32, got {block_n}")
     tune = dict(QUANT_TUNING, **(tuning or {}))
     rows = int(tune["STATS_ROWS"])
     sub = int(tune["STATS_SUB"] or (32 if block_d >= 128 else 64))
@@ -375,8 +391,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E,
         H, Lq, Lk, lq_pad, lk_pad, nqb, nkb,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, N_OUT=n, EXACT_CAST=exact_cast,
-        num_warps=int(tune["QUANT_WARPS"] or (8 if big else 4)))
-    return QuantizedQKV(q8, sq, qs, k8, sk, ks, vt8, sv, v_mean, n, block_m, block_n)
+        V_KEY_PERM=bool(v_key_perm), num_warps=int(tune["QUANT_WARPS"] or (8 if big else 4)))
+    return QuantizedQKV(q8, sq, qs, k8, sk, ks, vt8, sv, v_mean, n, block_m, block_n, bool(v_key_perm))
 
 
 def _signature(names, types, constexprs, aligned):
@@ -388,7 +404,8 @@ def _signature(names, types, constexprs, aligned):
     return sig, attrs
 
 
-def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outlier: int = N_OUTLIER):
+def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outlier: int = N_OUTLIER,
+                  v_key_perm: bool = False):
     """[(name, kernel, signature, constexprs, attrs, num_warps)] for
     triton.compile(ASTSource(...)): the three quantisation kernels specialised as a launch on
     contiguous [B, H, L, D] inputs specialises them (tests compile them for each target)."""
@@ -413,7 +430,7 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
     finalize = ("_fp8_finalize_kernel", _fp8_finalize_kernel, sig, const, attrs, 4)
 
     const = dict(unit, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, N_OUT=n_outlier,
-                 EXACT_CAST=False)
+                 EXACT_CAST=False, V_KEY_PERM=v_key_perm)
     fp8 = ["Q8", "QS", "K8", "KS", "VT8"]
     f32 = ["KMEAN", "VMEAN", "SV", "SQ", "SK"]
     names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "IDX", "Q8", "SQ", "QS", "K8", "SK", "KS", "VT8", *strides,
@@ -426,5 +443,5 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
     return [stats, finalize, ("_fp8_quant_kernel", _fp8_quant_kernel, sig, const, attrs, warps)]
 
 
-__all__ = ["QuantizedQKV", "compile_specs", "quantize_qkv", "padded_head_dim", "N_OUTLIER", "FP8_MAX", "LOG2E",
+__all__ = ["QuantizedQKV", "compile_specs", "quantize_qkv", "padded_head_dim", "v_key_order", "N_OUTLIER", "FP8_MAX", "LOG2E",
            "QUANT_TUNING"]

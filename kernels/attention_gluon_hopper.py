@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import torch
 
-from . import cache_registry
+from . import cache_registry, env_settings
 from . import device as _device
 from .attention_fp8_quant import N_OUTLIER, padded_head_dim, quantize_qkv
 from .gpu_rules import GLUON_CAPABILITY, feature_refusal
@@ -73,10 +73,31 @@ LOG2_P_SCALE = 8.8073
 # "sm90" Wan 778-795, HunyuanVideo 773-797, Flux 696-699; STAGES=3 the same within noise
 # (801 / 777 / 710); "sm90_two_level" 606-611 / 592-608 / 535 with rel. L2 within 1e-4 of
 # one-level on every input (Wan outlier 0.0062 vs 0.0063), so one-level is the default.
+# The loop-shape options (UNROLL, EARLY_RESCALE, PERM_P; _mainloop and _softmax_tile say what
+# each removes from a tile's critical path, counted in the SASS: 64 register copies, 64
+# multiplies before P.V, 24 shuffles + 16 selects of P's layout change) are compile-checked
+# here and NOT YET TIMED on a GPU: "sm90" stays the default until
+# benchmarks/gluon_attention_bench.py --configs sm90,sm90_unroll,... has measured them.
+_LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False)
 GLUON_CONFIGS = {
-    "sm90": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24),
-    "sm90_two_level": dict(BLOCK_N=64, STAGES=3, TWO_LEVEL=True, CONSUMER_REGS=232, PRODUCER_REGS=24),
+    "sm90": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24, **_LOOP_DEFAULTS),
+    "sm90_two_level": dict(BLOCK_N=64, STAGES=3, TWO_LEVEL=True, CONSUMER_REGS=232, PRODUCER_REGS=24,
+                           **_LOOP_DEFAULTS),
+    "sm90_unroll": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
+                        **dict(_LOOP_DEFAULTS, UNROLL=2)),
+    "sm90_early": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
+                       **dict(_LOOP_DEFAULTS, EARLY_RESCALE=True)),
+    "sm90_permp": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
+                       **dict(_LOOP_DEFAULTS, PERM_P=True)),
+    "sm90_lean": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
+                      UNROLL=2, EARLY_RESCALE=True, PERM_P=True),
 }
+
+
+def loop_options(config: dict) -> dict:
+    """UNROLL / EARLY_RESCALE / PERM_P of `config`, with the defaults for configs written
+    before these options existed (a tuning file, a benchmark's dict)."""
+    return {k: config.get(k, v) for k, v in _LOOP_DEFAULTS.items()}
 
 # Every Gluon name this file uses, checked by gluon_refusal() before any launch.
 _REQUIRED = {
@@ -85,6 +106,20 @@ _REQUIRED = {
     "hopper": ("warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared", "mbarrier", "tma"),
     "mbarrier": ("MBarrierLayout", "init", "invalidate", "expect", "wait", "arrive"),
 }
+
+
+# PERM_P's relabelling of a [rows, n] P tile viewed as [rows, n // 32, 2, 2, 2, 2, 2]: the
+# kernel's gl.permute spells it out (Triton 3.6's permute takes no constexpr tuple; a test
+# reads the kernel's source against this), p_relabel() is its torch twin for tests, and
+# quantize_qkv's v_key_order() is the same map on key indices.
+P_RELABEL_ORDER = (0, 1, 2, 4, 5, 3, 6)
+
+
+def p_relabel(p: torch.Tensor) -> torch.Tensor:
+    """What PERM_P does to a [rows, n] P tile's columns (n a multiple of 32), on a torch
+    tensor: column n of p lands at column v_key_order(n)."""
+    rows, n = p.shape
+    return p.reshape(rows, n // 32, 2, 2, 2, 2, 2).permute(P_RELABEL_ORDER).reshape(rows, n)
 
 
 class GluonUnsupportedError(RuntimeError):
@@ -201,34 +236,84 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _softmax_tile(s, m_i, l_i, c, cols, LK, p_layout: gl.constexpr, BOUNDARY: gl.constexpr):
+    def _softmax_tile(s, m_i, l_i, c, cols, LK, acc, p_layout: gl.constexpr, o_layout: gl.constexpr,
+                      BOUNDARY: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr):
         # c = sq * sk > 0 de-quantises and holds sm_scale * log2(e): max(s) * c is the max of
         # the scaled scores and the de-quantising multiply folds into the exp2's argument.
         if BOUNDARY:
             s = gl.where(gl.expand_dims(cols < LK, 0), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * c)
-        p = gl.exp2(s * c - gl.expand_dims(m_new - 8.8073, 1))  # in [0, 448]: LOG2_P_SCALE
         alpha = gl.exp2(m_i - m_new)
+        a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        if EARLY_RESCALE:
+            # acc is free here (the last P.V was waited for): rescaled before P's exp2 in
+            # program order, its 64 multiplies a thread can issue while the MUFU pipe works on
+            # the exponentials instead of delaying the next P.V (they sat right before it).
+            acc = acc * a
+        p = gl.exp2(s * c - gl.expand_dims(m_new - 8.8073, 1))  # in [0, 448]: LOG2_P_SCALE
         l_i = l_i * alpha + gl.sum(p, 1)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-        return p8, alpha, m_new, l_i
+        p8 = p.to(gl.float8e4nv)
+        if PERM_P:
+            # The accumulator layout gives a thread columns 8c + 2t + e of each 32-column
+            # k-step (t its lane mod 4, e one register bit); wgmma's 8-bit A operand wants
+            # columns 16h + 4t + f. Relabelling the columns by the bit permutation below puts
+            # every element where the A layout wants it already (register renaming, no
+            # shuffles); V's keys were stored in the same order (quantize_qkv(v_key_perm=True)),
+            # so P.V sums the same products.
+            rows: gl.constexpr = p8.shape[0]
+            n: gl.constexpr = p8.shape[1]
+            p8 = gl.reshape(p8, [rows, n // 32, 2, 2, 2, 2, 2])  # (k-step, c1, c0, t1, t0, e)
+            p8 = gl.permute(p8, [0, 1, 2, 4, 5, 3, 6])  # P_RELABEL_ORDER: (k-step, c1, t1, t0, c0, e)
+            p8 = gl.reshape(p8, [rows, n])
+        p8 = gl.convert_layout(p8, p_layout)
+        return p8, a, m_new, l_i, acc
 
     @gluon.jit
-    def _pv_update(acc, p8, alpha, v_ring, v_full, o_zero, j, o_layout: gl.constexpr, STAGES: gl.constexpr,
-                   TWO_LEVEL: gl.constexpr):
+    def _pv_update(acc, p8, a, v_ring, v_full, o_zero, j, STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr,
+                   EARLY_RESCALE: gl.constexpr):
         slot = j % STAGES
         mbarrier.wait(v_full.index(slot), (j // STAGES) & 1)
-        a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         if TWO_LEVEL:
             pv = warpgroup_mma(p8, v_ring.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
+        elif EARLY_RESCALE:
+            pv = warpgroup_mma(p8, v_ring.index(slot).permute((1, 0)), acc, is_async=True)
         else:
             pv = warpgroup_mma(p8, v_ring.index(slot).permute((1, 0)), acc * a, is_async=True)
-        return pv, a
+        return pv
+
+    @gluon.jit
+    def _accumulate(acc, pv, a, TWO_LEVEL: gl.constexpr, EARLY_RESCALE: gl.constexpr):
+        if TWO_LEVEL:
+            if EARLY_RESCALE:
+                return acc + pv
+            else:
+                return acc * a + pv
+        else:
+            return pv
+
+    @gluon.jit
+    def _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, k_full, k_empty, v_full, v_empty, s_zero,
+                 o_zero, offs_n, q_scale, SK, LK, p_layout: gl.constexpr, o_layout: gl.constexpr,
+                 STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
+                 EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr):
+        # One key tile j that is not the last: tile j+1's scores go to the tensor cores
+        # first and run under tile j's softmax.
+        s_next = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, j + 1, STAGES, N_OUT)
+        c = q_scale * gl.load(SK + j)
+        p8, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, offs_n, LK, acc, p_layout, o_layout, False,
+                                             EARLY_RESCALE, PERM_P)
+        pv = _pv_update(acc, p8, a, v_ring, v_full, o_zero, j, STAGES, TWO_LEVEL, EARLY_RESCALE)
+        s, pv = warpgroup_mma_wait(0, deps=(s_next, pv))
+        mbarrier.arrive(k_empty.index((j + 1) % STAGES), count=1)
+        mbarrier.arrive(v_empty.index(j % STAGES), count=1)
+        acc = _accumulate(acc, pv, a, TWO_LEVEL, EARLY_RESCALE)
+        return s, acc, m_i, l_i
 
     @gluon.jit
     def _mainloop(q, qs, k_ring, ks_ring, v_ring, k_full, k_empty, v_full, v_empty, s_zero, o_zero, acc,
                   m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
+                  UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr):
         # Each warpgroup on its own: Q.K^T of tile j+1 is issued before tile j's softmax;
         # the two warpgroups interleave as the warp schedulers see fit (FlashAttention-3's
         # explicit ping-pong, turn barriers between the warpgroups, measured 15-20% slower
@@ -243,33 +328,56 @@ if gluon is not None:
         #   (782), both, or with STAGES=3: all within the run's +-3 % of this loop (786).
         # - exp2 in f16x2 does not halve the MUFU work: ptxas splits ex2.approx.f16x2 (and
         #   bf16x2) into two scalar MUFU.EX2 on sm_90 (checked in the SASS).
+        # UNROLL = 2: in the one-tile loop tile j+1's scores land in fresh registers while
+        # tile j's are still being read, and ptxas copies them back at the back edge (64 MOVs
+        # per tile, after the wait, on the critical path: SASS of Triton 3.6 and 3.9). Two
+        # tiles per trip let the two score tiles swap roles instead.
         s = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, 0, STAGES, N_OUT)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        for j in range(0, NKB - 1):
-            # Tile j+1's scores go to the tensor cores now and run under tile j's softmax.
-            s_next = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, j + 1, STAGES, N_OUT)
-            c = q_scale * gl.load(SK + j)
-            p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, offs_n, LK, p_layout, False)
-            pv, a = _pv_update(acc, p8, alpha, v_ring, v_full, o_zero, j, o_layout, STAGES, TWO_LEVEL)
-            s, pv = warpgroup_mma_wait(0, deps=(s_next, pv))
-            mbarrier.arrive(k_empty.index((j + 1) % STAGES), count=1)
-            mbarrier.arrive(v_empty.index(j % STAGES), count=1)
-            if TWO_LEVEL:
-                acc = acc * a + pv
+        if UNROLL == 2:
+            for jj in range(0, (NKB - 1) // 2):
+                j = 2 * jj
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, k_full, k_empty,
+                                            v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK, p_layout,
+                                            o_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE, PERM_P)
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j + 1, q, qs, k_ring, ks_ring, v_ring, k_full,
+                                            k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
+                                            p_layout, o_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE, PERM_P)
+            # An odd count of inner tiles ends with one more inner step and the last tile in
+            # their own branch: a branch that merged the score tile back (one step peeled
+            # before or after the loop) made ptxas spill 1.5 KB and serialise the wgmmas.
+            if (NKB - 1) % 2 == 1:
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, NKB - 2, q, qs, k_ring, ks_ring, v_ring, k_full,
+                                            k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
+                                            p_layout, o_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE, PERM_P)
+                acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, v_full, v_empty,
+                                      o_zero, p_layout, o_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE, PERM_P)
             else:
-                acc = pv
-        # Last key tile: the only one that can hold padded keys, masked to -inf here.
+                acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, v_full, v_empty,
+                                      o_zero, p_layout, o_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE, PERM_P)
+        else:
+            for j in range(0, NKB - 1):
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, k_full, k_empty,
+                                            v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK, p_layout,
+                                            o_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE, PERM_P)
+            acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, v_full, v_empty, o_zero,
+                                  p_layout, o_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE, PERM_P)
+        return acc, l_i
+
+    @gluon.jit
+    def _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, v_full, v_empty, o_zero,
+                   p_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   TWO_LEVEL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr):
+        # The last key tile: the only one that can hold padded keys, masked to -inf here.
         last = NKB - 1
         c = q_scale * gl.load(SK + last)
-        p8, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, c, last * BLOCK_N + offs_n, LK, p_layout, True)
-        pv, a = _pv_update(acc, p8, alpha, v_ring, v_full, o_zero, last, o_layout, STAGES, TWO_LEVEL)
+        p8, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, last * BLOCK_N + offs_n, LK, acc, p_layout, o_layout,
+                                             True, EARLY_RESCALE, PERM_P)
+        pv = _pv_update(acc, p8, a, v_ring, v_full, o_zero, last, STAGES, TWO_LEVEL, EARLY_RESCALE)
         pv = warpgroup_mma_wait(0, deps=(pv,))
         mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-        if TWO_LEVEL:
-            acc = acc * a + pv
-        else:
-            acc = pv
+        acc = _accumulate(acc, pv, a, TWO_LEVEL, EARLY_RESCALE)
         return acc, l_i
 
     @gluon.jit
@@ -277,7 +385,8 @@ if gluon is not None:
                             SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB, NKB,
                             WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_D: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
-                            TWO_LEVEL: gl.constexpr):
+                            TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr,
+                            PERM_P: gl.constexpr):
         ROWS: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
@@ -302,7 +411,7 @@ if gluon is not None:
         mbarrier.wait(q_bar, 0)
         acc, l_i = _mainloop(q, qs, k_ring, ks_ring, v_ring, k_full, k_empty, v_full, v_empty, s_zero, o_zero,
                              acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout, o_layout, BLOCK_N, STAGES,
-                             N_OUT, TWO_LEVEL)
+                             N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P)
 
         # Epilogue in fp32: V's per-channel scale, 1 / l (the 448 of P cancels) and V's mean.
         offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
@@ -322,7 +431,7 @@ if gluon is not None:
         H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
         N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
     ):
         start_m = gl.program_id(0)
         bh = gl.program_id(1)
@@ -354,10 +463,12 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty,
                                    SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB, NKB,
-                                   0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL)),
+                                   0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
+                                   EARLY_RESCALE, PERM_P)),
             (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty,
                                    SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB, NKB,
-                                   1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL)),
+                                   1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
+                                   EARLY_RESCALE, PERM_P)),
             (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, q_smem, qs_smem, k_ring, ks_ring, v_ring,
                                q_bar, k_full, k_empty, v_full, v_empty, q_row0, bh * LK_PAD, bh * BLOCK_D, NKB,
                                BLOCK_N, STAGES, N_OUT)),
@@ -391,8 +502,9 @@ def _block_shapes(block_n: int, block_d: int, side: int):
 
 
 def default_config(device=None) -> dict:
+    """GLUON_CONFIGS["sm90"], or "sm90_lean" under TRITON_ACCEL_GLUON_VARIANT=lean (benchmarks)."""
     del device  # one target: sm_90
-    return dict(GLUON_CONFIGS["sm90"])
+    return dict(GLUON_CONFIGS["sm90_lean" if env_settings.gluon_variant() == "lean" else "sm90"])
 
 
 def attention_gluon_fp8(q, k, v, scale=None, config=None, n_outlier: int = N_OUTLIER):
@@ -409,7 +521,8 @@ def attention_gluon_fp8(q, k, v, scale=None, config=None, n_outlier: int = N_OUT
         return torch.empty_like(q)
     if k.shape[2] == 0:
         raise GluonUnsupportedError("attention_gluon_fp8: zero keys (softmax over nothing)")
-    qkv = quantize_qkv(q, k, v, scale, BLOCK_M, config["BLOCK_N"], n_outlier)
+    qkv = quantize_qkv(q, k, v, scale, BLOCK_M, config["BLOCK_N"], n_outlier,
+                       v_key_perm=bool(loop_options(config)["PERM_P"]))
     return attention_gluon_fp8_quantized(qkv, q.shape, k.shape[2], q.dtype, q.device, config)
 
 
@@ -421,6 +534,11 @@ def attention_gluon_fp8_quantized(qkv, q_shape, lk: int, dtype, device, config):
     lk_pad = qkv.k8.shape[1]
     if qkv.block_m != BLOCK_M or qkv.block_n != config["BLOCK_N"]:
         raise ValueError(f"quantize_qkv blocks ({qkv.block_m}, {qkv.block_n}) != kernel's ({BLOCK_M}, {config['BLOCK_N']})")
+    loop = loop_options(config)
+    if bool(loop["PERM_P"]) != qkv.v_key_perm:
+        # A mismatch would not fail: it would pair P's columns with the wrong keys.
+        raise ValueError(f"config PERM_P={loop['PERM_P']} needs quantize_qkv(v_key_perm={bool(loop['PERM_P'])}), "
+                         f"got v_key_perm={qkv.v_key_perm}")
     side = max(2 * qkv.n_outlier, 16)  # the side operands' width (16 bytes, unused, when n_outlier = 0)
     shapes = _block_shapes(config["BLOCK_N"], block_d, side)
     flat = dict(q=qkv.q8.view(bh * lq_pad, block_d), qs=qkv.qs.view(bh * lq_pad, side),
@@ -433,7 +551,7 @@ def attention_gluon_fp8_quantized(qkv, q_shape, lk: int, dtype, device, config):
         *out.stride(), H, Lq, lk, lq_pad, lk_pad, qkv.sq.shape[1], qkv.sk.shape[1],
         HEAD_DIM=D, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"], N_OUT=qkv.n_outlier,
         TWO_LEVEL=config["TWO_LEVEL"], CONSUMER_REGS=config["CONSUMER_REGS"],
-        PRODUCER_REGS=config["PRODUCER_REGS"], num_warps=4)
+        PRODUCER_REGS=config["PRODUCER_REGS"], **loop, num_warps=4)
     return out
 
 
@@ -452,7 +570,7 @@ def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OU
     sig = {n: types.get(n, "i32") for n in names}
     const = dict(stride_od=1, HEAD_DIM=head_dim, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"],
                  N_OUT=n_outlier, TWO_LEVEL=config["TWO_LEVEL"], CONSUMER_REGS=config["CONSUMER_REGS"],
-                 PRODUCER_REGS=config["PRODUCER_REGS"])
+                 PRODUCER_REGS=config["PRODUCER_REGS"], **loop_options(config))
     for n in const:
         sig[n] = "constexpr"
     order = list(sig)
@@ -463,4 +581,4 @@ def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OU
 
 __all__ = ["attention_gluon_fp8", "attention_gluon_fp8_quantized", "gluon_refusal", "gluon_api_refusal",
            "api_gaps", "call_refusal", "compile_specs", "default_config", "GluonUnsupportedError", "GLUON_CONFIGS",
-           "MAX_HEAD_DIM", "BLOCK_M"]
+           "MAX_HEAD_DIM", "BLOCK_M", "loop_options", "p_relabel", "P_RELABEL_ORDER"]

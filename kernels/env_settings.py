@@ -27,6 +27,8 @@ AUTOTUNE = "TRITON_ACCEL_AUTOTUNE"
 FAST_LAUNCH = "TRITON_ACCEL_FAST_LAUNCH"
 CACHE_DIR = "TRITON_ACCEL_CACHE_DIR"
 GLUON = "TRITON_ACCEL_GLUON"
+GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
+GLUON_VARIANTS = ("default", "lean")
 TRITON_INTERPRET = "TRITON_INTERPRET"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 
@@ -53,6 +55,11 @@ SETTINGS = (
             "The FP8 path on sm_90 runs the warp-specialised Gluon kernel where the installed Triton "
             "has Gluon and the kernel compiles there; off (any false word): always the plain-Triton "
             "full-FP8 kernel. Any other value means auto."),
+    Setting(GLUON_VARIANT, "default",
+            "Loop shape of the Gluon attention kernels on sm_90: default (the measured one) or lean "
+            "(FP8: two key tiles a loop trip, P handed to P.V without shuffles, early rescale; BF16 at "
+            "head dims 64 and 128: two key tiles a trip). lean is compile-checked, not yet timed on a "
+            "GPU: it exists for side-by-side benchmarks. Any other value means default."),
 )
 
 
@@ -87,6 +94,12 @@ def gluon_allowed() -> bool:
     """TRITON_ACCEL_GLUON: "auto" (unset, or any value but a false word) lets the FP8 path use the
     Gluon kernel where it can run; a false word keeps the plain-Triton kernel."""
     return flag(GLUON, True)
+
+
+def gluon_variant() -> str:
+    """TRITON_ACCEL_GLUON_VARIANT: one of GLUON_VARIANTS ("default" when unset or unknown)."""
+    value = (text(GLUON_VARIANT) or "default").lower()
+    return value if value in GLUON_VARIANTS else "default"
 
 
 def user_cache_root() -> str:

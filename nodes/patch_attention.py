@@ -20,7 +20,7 @@ import torch
 
 from .. import __version__ as PACK_VERSION
 from .. import kernels
-from ..kernels import extensions
+from ..kernels import env_settings, extensions
 from . import call_stats, compiled_ops
 from .device_probe import probe
 from ..kernels.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
@@ -132,6 +132,16 @@ def adapt_call(args: tuple, kwargs: dict) -> dict:
     return {"q": q, "k": k, "v": v, "mask": mask, "scale": kwargs.get("scale"), "batch": b,
             "heads": out_heads, "dim_head": dim_head, "attn_precision": call.get("attn_precision"),
             "skip_output_reshape": bool(call.get("skip_output_reshape", False))}
+
+
+def speed_key(facts, usable, cls: str) -> str:
+    """auto's speed-cache key: GPU | arch | torch | Triton | pack | candidate paths | shape class,
+    with the Gluon loop variant before the shape class when TRITON_ACCEL_GLUON_VARIANT is not
+    the default (a benchmark's variant is timed apart and never reused by the default)."""
+    variant = env_settings.gluon_variant()
+    return "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
+                     f"pack {PACK_VERSION}", "+".join(usable)]
+                    + ([f"gluon {variant}"] if variant != "default" else []) + [cls])
 
 
 class AttentionOverride:
@@ -284,8 +294,7 @@ class AttentionOverride:
         if measure and timed_on(q.device):
             facts = probe(q.device)
             cls = shape_class(q, k, mask)
-            key = "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
-                            f"pack {PACK_VERSION}", "+".join(usable), cls])
+            key = speed_key(facts, usable, cls)
             if compiled_ops.capturing(q):
                 # No timing inside a CUDA graph capture: an earlier measurement, else ComfyUI's.
                 known = _speed().known(key)

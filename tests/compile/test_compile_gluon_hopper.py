@@ -10,33 +10,45 @@ What the PTX must show:
 - warp specialisation: `setmaxnreg` raising the consumers' registers and lowering the
   producer warp's to PRODUCER_REGS, 12 warps per CTA (consumer 4 + consumer 4 + producer 1,
   padded to whole warpgroups), TMA tensor loads completing on mbarriers;
-- no local memory (spills) and shared memory within sm_90's 227 KB.
+- no local memory (spills) and shared memory within sm_90's 227 KB;
+- the loop options (not yet timed on a GPU), in the SASS of the main loop
+  (tests/compile/compile_report.py): no spills in any config's loop (none anywhere in the shipped
+  default's SASS); UNROLL=2 at most a quarter of the one-tile loop's register copies a tile
+  (that loop copies tile j+1's 64 score registers back at every back edge: 70-82 a tile with
+  Triton 3.6 / 3.9, 1-4.5 unrolled); PERM_P no selects and a third of the shuffles (only the
+  row max and row sum's: 8 a tile, against 24 + 16 selects for P's layout change).
 Under TRITON_INTERPRET=1 (tests/conftest.py) kernels cannot be compiled, so one subprocess
-with the variable unset compiles every case and reports JSON. Skips, with the reason, where
-the installed Triton's Gluon lacks what the kernel uses (Triton < 3.6).
+per Triton (the installed one and, where tests/versions/version_matrix.py installed it, 3.6,
+the H200 test machine's) with the variable unset compiles every case and reports JSON.
+Skips, with the reason, where that Triton's Gluon lacks what the kernel uses (Triton < 3.6).
 """
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compile_report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_LIMIT_SM90 = 232448
 
-# (config name, head dim): the shipped config at d128 and d64 (SD3-like), the two-level one.
-JOBS = [("sm90", 128), ("sm90", 64), ("sm90_two_level", 128)]
+# (config name, head dim): the shipped config at d128 and d64 (SD3-like), the two-level one,
+# each loop option alone and all three (sm90_lean) at d128 and d64.
+JOBS = [("sm90", 128), ("sm90", 64), ("sm90_two_level", 128), ("sm90_unroll", 128), ("sm90_early", 128),
+        ("sm90_permp", 128), ("sm90_lean", 128), ("sm90_lean", 64)]
+TRITONS = ["installed", "3.6"]
 
 WORKER = r"""
 import importlib, importlib.util, json, os, re, sys
 from collections import Counter
 
 root, jobs = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, os.path.join(root, "tests", "compile"))
+import compile_report
 name = "triton_accel_compile_gluon"
 spec = importlib.util.spec_from_file_location(name, os.path.join(root, "__init__.py"),
                                               submodule_search_locations=[root])
@@ -60,7 +72,12 @@ for cfg_name, d in jobs:
             k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                                options=dict(num_warps=warps))
             ptx = k.asm["ptx"]
+            listing = compile_report.disassemble(k.asm["cubin"], triton)
+            block_d = max(32, 1 << (d - 1).bit_length())
+            per_tile = block_d // 32 + 1 + cfg["BLOCK_N"] // 32
             out.append(dict(
+                loop=None if listing is None else compile_report.main_loop(listing, per_tile),
+                sass_spills=None if listing is None else compile_report.spills(listing),
                 ok=True, kernel=kname, cubin=len(k.asm.get("cubin", b"")), shared=k.metadata.shared,
                 mma=dict(Counter(re.findall(r"\b(wgmma\.mma_async[\w.]*)", ptx))),
                 other_mma=len(re.findall(r"\bmma\.sync", ptx)),
@@ -71,24 +88,29 @@ for cfg_name, d in jobs:
                 local="ld.local" in ptx or "st.local" in ptx))
         except Exception as e:
             out.append(dict(ok=False, kernel=kname, error=f"{type(e).__name__}: {e}"[-800:]))
+    if g.loop_options(cfg)["PERM_P"] and out[-1].get("ok"):
+        # The quantiser that stores V's keys in the relabelled order, for the same target.
+        from triton.compiler import ASTSource
+        q = importlib.import_module(name + ".kernels.attention_fp8_quant")
+        spec = [s for s in q.compile_specs("bf16", d, g.BLOCK_M, cfg["BLOCK_N"], v_key_perm=True)
+                if s[0] == "_fp8_quant_kernel"][0]
+        try:
+            qk = triton.compile(ASTSource(*spec[1:5]), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=spec[5]))
+            out[-1]["v_key_perm_quant"] = dict(ok=True, cubin=len(qk.asm.get("cubin", b"")),
+                                               local="ld.local" in qk.asm["ptx"] or "st.local" in qk.asm["ptx"])
+        except Exception as e:
+            out[-1]["v_key_perm_quant"] = dict(ok=False, error=f"{type(e).__name__}: {e}"[-800:])
 print("RESULT " + json.dumps(dict(refusal=None, triton=triton.__version__, results=out)))
 """
 
 
-@pytest.fixture(scope="module")
-def report():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton >= 3.9 warns when unset
-    p = subprocess.run([sys.executable, "-c", WORKER, str(ROOT), json.dumps(JOBS)], capture_output=True,
-                       text=True, env=env, timeout=900)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"compile worker failed:\n{p.stderr[-3000:]}"
-    rep = json.loads(lines[-1][7:])
-    if rep["refusal"]:
-        print(f"SKIP reason: {rep['refusal']}")
-        pytest.skip(f"the installed Triton cannot build the Gluon kernel: {rep['refusal']}")
-    return dict(zip(JOBS, rep["results"]))
+_REPORTS: dict = {}
+
+
+@pytest.fixture(params=TRITONS, ids=[f"triton-{t}" for t in TRITONS])
+def report(request):
+    return compile_report.cached_report(request.param, WORKER, JOBS, ROOT, _REPORTS)
 
 
 def _ids(jobs):
@@ -97,11 +119,15 @@ def _ids(jobs):
 
 def _expected_wgmma(cfg_name, head_dim):
     from triton_accel.kernels.attention_fp8_quant import padded_head_dim
-    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS
+    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
 
-    block_n = GLUON_CONFIGS[cfg_name]["BLOCK_N"]
+    cfg = GLUON_CONFIGS[cfg_name]
     qk = padded_head_dim(head_dim) // 32 + 1  # + the outlier side dot's one k-step
-    pv = block_n // 32
+    pv = cfg["BLOCK_N"] // 32
+    if loop_options(cfg)["UNROLL"] == 2:
+        # Prologue Q.K^T, two steps a trip, then the odd-count branch (one step + the last
+        # tile's P.V) and the even one (the last tile's P.V).
+        return 2 * (qk + 2 * (qk + pv) + (qk + pv) + pv + pv)
     return 2 * (2 * qk + 2 * pv)
 
 
@@ -137,3 +163,25 @@ def test_warp_specialised_structure(report, job):
     assert ("dec", producer) in [tuple(x) for x in r["setmaxnreg"]], r["setmaxnreg"]
     assert r["reqntid"] == ["384"], r["reqntid"]  # 3 partitions: 4 + 4 + 1 warps in 3 warpgroups
     assert r["tma_loads"] >= 3 and r["mbarrier_waits"] >= 4, (r["tma_loads"], r["mbarrier_waits"])
+
+
+@pytest.mark.parametrize("job", JOBS, ids=_ids(JOBS))
+def test_main_loop_sass(report, job):
+    """What each loop option removes, counted per key tile in the main loop's SASS."""
+    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
+
+    r = report[job]
+    loop = compile_report.main_loop_of(r)
+    if job[0] == "sm90":
+        assert r["sass_spills"] == 0, f"{r['sass_spills']} STL/LDL in the shipped default's SASS"
+    opts = loop_options(GLUON_CONFIGS[job[0]])
+    base = report[("sm90", job[1])]["loop"]  # the one-tile, shuffling loop, same Triton and head dim
+    if opts["UNROLL"] == 2:
+        compile_report.assert_unrolled(loop, base)
+    if opts["PERM_P"]:
+        quant = r["v_key_perm_quant"]  # compiled before the SASS is read: no cuobjdump needed
+        assert quant["ok"] and quant["cubin"] > 0 and not quant["local"], quant
+        assert loop["per_tile"].get("SEL", 0) == 0, loop["per_tile"]
+        assert loop["per_tile"]["SHFL"] <= base["per_tile"]["SHFL"] / 3, (loop["per_tile"]["SHFL"],
+                                                                          base["per_tile"]["SHFL"])
+        assert loop["total"] < base["total"], (loop["total"], base["total"])

@@ -19,7 +19,7 @@ from triton_accel.kernels import gpu_rules
 from triton_accel.kernels.gpu_rules import (PATH_PYTORCH, PATH_TRITON_FP8, PATH_TRITON_FP16, PATH_TRITON_INT8,
                                             Facts, select_path)
 from triton_accel.nodes import speed_choice
-from triton_accel.nodes.patch_attention import AttentionOverride, head_slices
+from triton_accel.nodes.patch_attention import AttentionOverride, head_slices, speed_key
 from triton_accel.nodes.settings import AccelSettings
 from triton_accel.nodes.speed_choice import ORIGINAL, SpeedChoice
 
@@ -263,6 +263,23 @@ def test_speed_summary_rows(tmp_path):
     assert (old["arch"], old["shape_class"], old["speedup_vs_original"]) == ("sm_80", "b2-h10/10-q4096-k4096-d64", 1.0)
     # Another process reads the same rows from the file.
     assert speed_choice.speed_summary(SpeedChoice(tmp_path / "speed.json")) == rows
+
+
+@pytest.mark.parametrize("variant", [None, "default", "lean", "bogus"])
+def test_speed_key_keeps_a_gluon_variant_apart(monkeypatch, variant):
+    """TRITON_ACCEL_GLUON_VARIANT=lean (a benchmark's untimed loop variant) gets its own
+    speed-cache entries; the default and unknown values keep the keys they always had, and the
+    shape class stays the key's last field (speed_summary reads old entries from it)."""
+    if variant is None:
+        monkeypatch.delenv("TRITON_ACCEL_GLUON_VARIANT", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_ACCEL_GLUON_VARIANT", variant)
+    facts = nvidia("sm_90", arch="sm_90")
+    key = speed_key(facts, [ORIGINAL, FP8, FP16], "b1-h40/40-q32760-k32760-d128")
+    fields = key.split("|")
+    assert fields[:2] == ["NVIDIA H200", "sm_90"] and fields[-1] == "b1-h40/40-q32760-k32760-d128"
+    assert fields[5] == f"{ORIGINAL}+{FP8}+{FP16}"
+    assert ("gluon lean" in fields) == (variant == "lean") and len(fields) == (8 if variant == "lean" else 7)
 
 
 def test_one_info_line_before_and_one_after_timing_then_silence(tmp_path, caplog):

@@ -1,0 +1,166 @@
+"""The Gluon kernels' loop options (UNROLL, EARLY_RESCALE, PERM_P), checked on the CPU.
+
+The kernels run only on sm_90; their SASS (no register copies at the back edge, no layout
+shuffles for P, no spills in the loop) is pinned by tests/compile/test_compile_gluon_hopper*.py.
+Here, what decides whether PERM_P computes the same attention:
+- the kernel relabels P's columns (reshape / permute / reshape, P_RELABEL_ORDER) and
+  quantize_qkv(v_key_perm=True) stores V's keys in v_key_order(): the two must be one map,
+  so that P.V pairs every probability with its own key;
+- the map must send the columns a thread holds in wgmma's accumulator layout to the k
+  positions the same thread holds in the 8-bit A-operand layout (else the conversion moves
+  data between threads, which is what it exists to avoid);
+- a float64 emulation of the kernel's arithmetic on the quantised operands gives the same
+  output with and without the relabelling (interpreter-run quantisation, outlier inputs).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+glu = importlib.import_module("triton_accel.kernels.attention_gluon_hopper")
+glb = importlib.import_module("triton_accel.kernels.attention_gluon_hopper_bf16")
+quant = importlib.import_module("triton_accel.kernels.attention_fp8_quant")
+full = importlib.import_module("triton_accel.kernels.attention_fp8_full")
+env_settings = importlib.import_module("triton_accel.kernels.env_settings")
+
+LOG2_P_SCALE = 8.8073
+
+
+def test_v_key_order_permutes_each_group_of_32():
+    for group in range(3):
+        keys = range(32 * group, 32 * group + 32)
+        assert sorted(quant.v_key_order(n) for n in keys) == list(keys)
+    assert quant.v_key_order(2) == 4 and quant.v_key_order(8) == 2  # not the identity
+
+
+def test_p_relabel_moves_column_n_to_v_key_order():
+    n = 128
+    p = torch.arange(n, dtype=torch.float64).repeat(3, 1)
+    out = glu.p_relabel(p)
+    for col in range(n):
+        assert out[1, quant.v_key_order(col)] == col
+
+
+def test_the_kernel_relabels_with_p_relabel_order():
+    if glu.gluon is None:
+        pytest.skip(f"Gluon does not import with this Triton: {glu.gluon_api_refusal()}")
+    src = inspect.getsource(glu._softmax_tile.fn if hasattr(glu._softmax_tile, "fn") else glu._softmax_tile)
+    assert f"gl.permute(p8, {list(glu.P_RELABEL_ORDER)})" in src
+    assert "gl.reshape(p8, [rows, n // 32, 2, 2, 2, 2, 2])" in src
+
+
+def test_relabel_keeps_every_value_in_its_thread():
+    """wgmma m64nNk32 with an fp32 accumulator: in each 32-column k-step, lane t (mod 4) of a
+    quad holds columns 8c + 2t + e (c < 4, e < 2); the 8-bit A operand: k = 16h + 4t + f
+    (h < 2, f < 4). Relabelled, lane t's columns are exactly its A positions: registers only."""
+    for t in range(4):
+        held = {8 * c + 2 * t + e for c in range(4) for e in range(2)}
+        wanted = {16 * h + 4 * t + f for h in range(2) for f in range(4)}
+        assert {quant.v_key_order(col) for col in held} == wanted
+
+
+def _inputs(shape, seed=0):
+    q, k, v = full.accuracy_inputs("outlier", shape, torch.float16, seed=seed)
+    return q, k, v
+
+
+def test_quantize_stores_v_keys_in_v_key_order():
+    q, k, v = _inputs((1, 2, 300, 128), seed=1)
+    plain = quant.quantize_qkv(q, k, v, 0.088, 128, 128, exact_cast=True)
+    perm = quant.quantize_qkv(q, k, v, 0.088, 128, 128, exact_cast=True, v_key_perm=True)
+    assert not plain.v_key_perm and perm.v_key_perm
+    lk_pad = plain.vt8.shape[-1]
+    order = torch.tensor([quant.v_key_order(n) for n in range(lk_pad)])
+    assert torch.equal(perm.vt8.float()[:, :, order], plain.vt8.float())
+    for name in ("q8", "sq", "qs", "k8", "sk", "ks", "sv", "vmean"):
+        assert torch.equal(getattr(perm, name).float(), getattr(plain, name).float()), name
+
+
+def test_v_key_perm_needs_whole_groups_of_32_keys():
+    q, k, v = _inputs((1, 1, 40, 64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.quantize_qkv(q, k, v, 0.1, 32, 16, v_key_perm=True)
+
+
+def _emulate(qkv, lq, lk, relabel):
+    """The Gluon kernel's arithmetic in float64 on quantize_qkv's operands, one softmax over
+    all keys (the kernel's online rescaling cancels in O / l): S from the e4m3 operands and
+    the side dot, P = e4m3(exp2(S * c - max + LOG2_P_SCALE)), O = P.V * sv / l + vmean."""
+    bh, lq_pad, _ = qkv.q8.shape
+    lk_pad = qkv.k8.shape[1]
+    out = []
+    for i in range(bh):
+        s = qkv.q8[i].double() @ qkv.k8[i].double().T + qkv.qs[i].double() @ qkv.ks[i].double().T
+        c = qkv.sq[i].double().repeat_interleave(qkv.block_m)[:lq_pad, None] \
+            * qkv.sk[i].double().repeat_interleave(qkv.block_n)[None, :lk_pad]
+        t = (s * c)[:lq]
+        t[:, lk:] = float("-inf")
+        p = torch.exp2(t - t.amax(1, keepdim=True) + LOG2_P_SCALE).to(torch.float8_e4m3fn).double()
+        l = p.sum(1, keepdim=True)
+        if relabel:
+            p = glu.p_relabel(p)
+        o = p @ qkv.vt8[i].double().T
+        out.append(o * qkv.sv[i].double() / l + qkv.vmean[i].double())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 300, 128), (1, 1, 77, 64)], ids=["d128_300", "d64_77"])
+def test_relabelled_p_with_permuted_v_is_the_same_attention(shape):
+    q, k, v = _inputs(shape, seed=2)
+    scale = shape[-1] ** -0.5
+    plain = quant.quantize_qkv(q, k, v, scale, 128, 128, exact_cast=True)
+    perm = quant.quantize_qkv(q, k, v, scale, 128, 128, exact_cast=True, v_key_perm=True)
+    L, D = shape[2], shape[3]
+    o_plain = _emulate(plain, L, L, relabel=False)
+    o_perm = _emulate(perm, L, L, relabel=True)
+    assert torch.allclose(o_perm, o_plain, rtol=1e-12, atol=1e-12)
+    # Without the relabelling the permuted V pairs probabilities with other keys' values.
+    wrong = _emulate(perm, L, L, relabel=False)
+    assert (wrong - o_plain).abs().max() > 1e-2
+    # And the emulation is the attention (issue 11's outlier bar: rel. L2 <= 0.03).
+    ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, -1) @ v.double()
+    got = o_perm[..., :D].reshape(ref.shape)
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03
+
+
+def test_launcher_refuses_operands_quantised_for_the_other_order():
+    q, k, v = _inputs((1, 1, 130, 128))
+    plain = quant.quantize_qkv(q, k, v, 0.088, 128, 128, exact_cast=True)
+    perm = quant.quantize_qkv(q, k, v, 0.088, 128, 128, exact_cast=True, v_key_perm=True)
+    with pytest.raises(ValueError, match="v_key_perm=True"):
+        glu.attention_gluon_fp8_quantized(plain, q.shape, 130, q.dtype, q.device, glu.GLUON_CONFIGS["sm90_permp"])
+    with pytest.raises(ValueError, match="v_key_perm=False"):
+        glu.attention_gluon_fp8_quantized(perm, q.shape, 130, q.dtype, q.device, glu.GLUON_CONFIGS["sm90"])
+
+
+def test_every_config_names_its_loop_options():
+    for name, cfg in glu.GLUON_CONFIGS.items():
+        assert set(glu.loop_options(cfg)) == {"UNROLL", "EARLY_RESCALE", "PERM_P"}, name
+        assert cfg["UNROLL"] in (1, 2), name
+    # A config dict written before the options existed reads as the measured loop.
+    old = {k: v for k, v in glu.GLUON_CONFIGS["sm90"].items() if k not in ("UNROLL", "EARLY_RESCALE", "PERM_P")}
+    assert glu.loop_options(old) == dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False)
+    assert glu.GLUON_CONFIGS["sm90_lean"] == dict(glu.GLUON_CONFIGS["sm90"], UNROLL=2, EARLY_RESCALE=True,
+                                                    PERM_P=True)
+
+
+@pytest.mark.parametrize("value, fp8, bf16", [
+    (None, "sm90", {64: 1, 128: 1, 256: 1}),
+    ("lean", "sm90_lean", {64: 2, 128: 2, 256: 1}),
+    (" LEAN ", "sm90_lean", {64: 2, 128: 2, 256: 1}),
+    ("fast", "sm90", {64: 1, 128: 1, 256: 1}),
+], ids=["unset", "lean", "lean-spaced", "unknown"])
+def test_variant_setting_picks_the_default_configs(monkeypatch, value, fp8, bf16):
+    if value is None:
+        monkeypatch.delenv(env_settings.GLUON_VARIANT, raising=False)
+    else:
+        monkeypatch.setenv(env_settings.GLUON_VARIANT, value)
+    assert glu.default_config() == glu.GLUON_CONFIGS[fp8]
+    for head_dim, unroll in bf16.items():
+        assert glb.default_config(head_dim)["UNROLL"] == unroll, head_dim
+    # The BF16 unrolled d128 config carries its third ring stage (see GLUON_BF16_CONFIGS).
+    if value and value.strip().lower() == "lean":
+        assert glb.default_config(128)["STAGES"] == 3
