@@ -24,9 +24,9 @@ with:
   ours-linear-nocopy / ours-all-nocopy  ours-linear / ours-all with Flux's single-block GELU
                left to ComfyUI (patch_linear_model copy_activations=False; the default fuses it
                through the GEMM's contiguous copy)
-  <variant>+lean  that variant with TRITON_ACCEL_GLUON_VARIANT=lean while it runs (the Gluon
-               attention kernels' compile-checked loop variant; docs/settings.md), e.g.
-               ours-all+lean or ours-all+lean+compile
+  <variant>+lean, <variant>+lean_rowsum  that variant with TRITON_ACCEL_GLUON_VARIANT set so
+               while it runs (the Gluon attention kernels' compile-checked loop variants;
+               docs/settings.md), e.g. ours-all+lean or ours-all+lean_rowsum+compile
   <variant>+compile  that variant with ComfyUI's TorchCompileModel (inductor) applied last, as
                a user's graph puts it after the patch nodes ("default+compile" is ComfyUI's
                own compiled model); the first call, which compiles, is left out of the timing
@@ -404,7 +404,7 @@ def fast_launch_state() -> dict:
 
 
 COMPILED_SUFFIX = "+compile"
-LEAN_SUFFIX = "+lean"
+GLUON_VARIANT_SUFFIXES = ("lean", "lean_rowsum")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
 
 
 def dynamo_summary() -> dict:
@@ -459,9 +459,17 @@ def compile_like_the_node(patcher):
     return TorchCompileModel.execute(patcher, "inductor").result[0]
 
 
+def split_variant(variant: str) -> tuple[str, str | None, bool]:
+    """(the variant without suffixes, its Gluon loop variant or None, whether +compile)."""
+    parts = variant.split("+")
+    gluon = next((p for p in parts[1:] if p in GLUON_VARIANT_SUFFIXES), None)
+    rest = [p for p in parts[1:] if p not in GLUON_VARIANT_SUFFIXES and p != "compile"]
+    return "+".join([parts[0], *rest]), gluon, "compile" in parts[1:]
+
+
 def base_variant(variant: str) -> str:
-    """The variant without its +lean and +compile suffixes."""
-    return variant.removesuffix(COMPILED_SUFFIX).replace(LEAN_SUFFIX, "")
+    """The variant without its Gluon-variant and +compile suffixes."""
+    return split_variant(variant)[0]
 
 
 @contextlib.contextmanager
@@ -484,9 +492,10 @@ def gluon_variant(value):
 
 
 def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False):
-    with gluon_variant("lean" if LEAN_SUFFIX in variant else None):
-        row = run_variant_uncompiled(name, base_variant(variant), base, x, t, context, kwargs, steps,
-                                     device, ref, dynamic_vram, compiled=variant.endswith(COMPILED_SUFFIX))
+    base_name, gluon, compiled = split_variant(variant)
+    with gluon_variant(gluon):
+        row = run_variant_uncompiled(name, base_name, base, x, t, context, kwargs, steps, device, ref,
+                                     dynamic_vram, compiled=compiled)
     row["variant"] = variant
     return row
 

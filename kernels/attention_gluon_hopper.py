@@ -73,12 +73,13 @@ LOG2_P_SCALE = 8.8073
 # "sm90" Wan 778-795, HunyuanVideo 773-797, Flux 696-699; STAGES=3 the same within noise
 # (801 / 777 / 710); "sm90_two_level" 606-611 / 592-608 / 535 with rel. L2 within 1e-4 of
 # one-level on every input (Wan outlier 0.0062 vs 0.0063), so one-level is the default.
-# The loop-shape options (UNROLL, EARLY_RESCALE, PERM_P; _mainloop and _softmax_tile say what
-# each removes from a tile's critical path, counted in the SASS: 64 register copies, 64
-# multiplies before P.V, 24 shuffles + 16 selects of P's layout change) are compile-checked
-# here and NOT YET TIMED on a GPU: "sm90" stays the default until
-# benchmarks/gluon_attention_bench.py --configs sm90,sm90_unroll,... has measured them.
-_LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False)
+# The loop-shape options (UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA; _mainloop, _softmax_tile
+# and _pv_update say what each removes from a tile, counted in the SASS: 64 register copies,
+# 64 multiplies before P.V, 24 shuffles + 16 selects of P's layout change, 64 row-sum adds)
+# are compile-checked here (tests/compile/test_compile_gluon_hopper.py) and NOT YET TIMED on a
+# GPU: "sm90" stays the default until benchmarks/gluon_attention_bench.py --configs
+# sm90,sm90_lean,... has measured them (benchmarks/RESULTS.md, session 27).
+_LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False)
 GLUON_CONFIGS = {
     "sm90": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24, **_LOOP_DEFAULTS),
     "sm90_two_level": dict(BLOCK_N=64, STAGES=3, TWO_LEVEL=True, CONSUMER_REGS=232, PRODUCER_REGS=24,
@@ -90,13 +91,18 @@ GLUON_CONFIGS = {
     "sm90_permp": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
                        **dict(_LOOP_DEFAULTS, PERM_P=True)),
     "sm90_lean": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
-                      UNROLL=2, EARLY_RESCALE=True, PERM_P=True),
+                      UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False),
+    # lean + the row sums of P on the tensor cores (_pv_update's ROWSUM_MMA): 64 FADDs and 4
+    # shuffles a tile become 4 wgmmas of N = 8; l then sums the e4m3 P that P.V multiplies.
+    # 240 registers: at 232 ptxas (Triton 3.6) reloads a spilled value in the loop.
+    "sm90_lean_rowsum": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=240, PRODUCER_REGS=24,
+                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=True),
 }
 
 
 def loop_options(config: dict) -> dict:
-    """UNROLL / EARLY_RESCALE / PERM_P of `config`, with the defaults for configs written
-    before these options existed (a tuning file, a benchmark's dict)."""
+    """UNROLL / EARLY_RESCALE / PERM_P / ROWSUM_MMA of `config`, with the defaults for configs
+    written before these options existed (a tuning file, a benchmark's dict)."""
     return {k: config.get(k, v) for k, v in _LOOP_DEFAULTS.items()}
 
 # Every Gluon name this file uses, checked by gluon_refusal() before any launch.
@@ -200,13 +206,15 @@ def call_refusal(q, k, v, attn_mask=None, is_causal=False) -> str | None:
 if gluon is not None:
 
     @gluon.jit
-    def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, q_smem, qs_smem, k_ring, ks_ring, v_ring,
-                        q_bar, k_full, k_empty, v_full, v_empty, q_row0, k_row0, v_row0, n_kb,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr):
+    def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
+                        v_ring, ones_smem, q_bar, k_full, k_empty, v_full, v_empty, q_row0, k_row0, v_row0, n_kb,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, ROWSUM_MMA: gl.constexpr):
         # One warp. Order K0, V0, K1, V1...: a consumer asks for K[j+1] before V[j], which
         # the ring allows whenever STAGES >= 2 (slot (j+1) % STAGES was freed at j+1-STAGES).
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + qs_desc.block_type.nbytes * (N_OUT > 0)
-        mbarrier.expect(q_bar, 2 * q_bytes)
+        mbarrier.expect(q_bar, 2 * q_bytes + ones_desc.block_type.nbytes * ROWSUM_MMA)
+        if ROWSUM_MMA:  # the ones tile of the row-sum product, once, with Q
+            _tma_load(ones_desc, [0, 0], q_bar, ones_smem)
         for wg in gl.static_range(2):
             _tma_load(q_desc, [q_row0 + wg * 64, 0], q_bar, q_smem.index(wg))
             if N_OUT > 0:
@@ -237,7 +245,8 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, c, cols, LK, acc, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                      BOUNDARY: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr):
+                      BOUNDARY: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
+                      ROWSUM_MMA: gl.constexpr):
         # c = sq * sk > 0 de-quantises and holds sm_scale * log2(e): max(s) * c is the max of
         # the scaled scores and the de-quantising multiply folds into the exp2's argument.
         if BOUNDARY:
@@ -251,7 +260,8 @@ if gluon is not None:
             # the exponentials instead of delaying the next P.V (they sat right before it).
             acc = acc * a
         p = gl.exp2(s * c - gl.expand_dims(m_new - 8.8073, 1))  # in [0, 448]: LOG2_P_SCALE
-        l_i = l_i * alpha + gl.sum(p, 1)
+        if not ROWSUM_MMA:  # else the row sum is P8 . ones on the tensor cores (_pv_update)
+            l_i = l_i * alpha + gl.sum(p, 1)
         p8 = p.to(gl.float8e4nv)
         if PERM_P:
             # The accumulator layout gives a thread columns 8c + 2t + e of each 32-column
@@ -266,11 +276,12 @@ if gluon is not None:
             p8 = gl.permute(p8, [0, 1, 2, 4, 5, 3, 6])  # P_RELABEL_ORDER: (k-step, c1, t1, t0, c0, e)
             p8 = gl.reshape(p8, [rows, n])
         p8 = gl.convert_layout(p8, p_layout)
-        return p8, a, m_new, l_i, acc
+        return p8, alpha, a, m_new, l_i, acc
 
     @gluon.jit
-    def _pv_update(acc, p8, a, v_ring, v_full, o_zero, j, STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                   EARLY_RESCALE: gl.constexpr):
+    def _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, j, l_layout: gl.constexpr,
+                   STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr, EARLY_RESCALE: gl.constexpr,
+                   ROWSUM_MMA: gl.constexpr):
         slot = j % STAGES
         mbarrier.wait(v_full.index(slot), (j // STAGES) & 1)
         if TWO_LEVEL:
@@ -279,7 +290,13 @@ if gluon is not None:
             pv = warpgroup_mma(p8, v_ring.index(slot).permute((1, 0)), acc, is_async=True)
         else:
             pv = warpgroup_mma(p8, v_ring.index(slot).permute((1, 0)), acc * a, is_async=True)
-        return pv
+        if ROWSUM_MMA:
+            # The row sums of P (as the e4m3 values P.V multiplies) as one more product with
+            # a ones tile, l_i a [rows, 8] accumulator whose 8 columns are equal: 4 wgmmas of
+            # N = 8 instead of 64 FADDs and 4 shuffles a thread per tile.
+            a_l = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_layout)), 1)
+            l_i = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_i * a_l, is_async=True)
+        return pv, l_i
 
     @gluon.jit
     def _accumulate(acc, pv, a, TWO_LEVEL: gl.constexpr, EARLY_RESCALE: gl.constexpr):
@@ -292,28 +309,33 @@ if gluon is not None:
             return pv
 
     @gluon.jit
-    def _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, k_full, k_empty, v_full, v_empty, s_zero,
-                 o_zero, offs_n, q_scale, SK, LK, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                 STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                 EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr):
+    def _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty,
+                 s_zero, o_zero, offs_n, q_scale, SK, LK, p_layout: gl.constexpr, o_layout: gl.constexpr,
+                 l_layout: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
+                 EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr):
         # One key tile j that is not the last: tile j+1's scores go to the tensor cores
         # first and run under tile j's softmax.
         s_next = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, j + 1, STAGES, N_OUT)
         c = q_scale * gl.load(SK + j)
-        p8, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, offs_n, LK, acc, p_layout, o_layout, False,
-                                             EARLY_RESCALE, PERM_P)
-        pv = _pv_update(acc, p8, a, v_ring, v_full, o_zero, j, STAGES, TWO_LEVEL, EARLY_RESCALE)
-        s, pv = warpgroup_mma_wait(0, deps=(s_next, pv))
+        p8, alpha, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, offs_n, LK, acc, p_layout, o_layout, False,
+                                                    EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+        pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, j, l_layout, STAGES,
+                             TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
+        if ROWSUM_MMA:
+            s, pv, l_i = warpgroup_mma_wait(0, deps=(s_next, pv, l_i))
+        else:
+            s, pv = warpgroup_mma_wait(0, deps=(s_next, pv))
         mbarrier.arrive(k_empty.index((j + 1) % STAGES), count=1)
         mbarrier.arrive(v_empty.index(j % STAGES), count=1)
         acc = _accumulate(acc, pv, a, TWO_LEVEL, EARLY_RESCALE)
         return s, acc, m_i, l_i
 
     @gluon.jit
-    def _mainloop(q, qs, k_ring, ks_ring, v_ring, k_full, k_empty, v_full, v_empty, s_zero, o_zero, acc,
+    def _mainloop(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty, s_zero, o_zero, acc,
                   m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout: gl.constexpr, o_layout: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                  UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr):
+                  l_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
+                  TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
+                  ROWSUM_MMA: gl.constexpr):
         # Each warpgroup on its own: Q.K^T of tile j+1 is issued before tile j's softmax;
         # the two warpgroups interleave as the warp schedulers see fit (FlashAttention-3's
         # explicit ping-pong, turn barriers between the warpgroups, measured 15-20% slower
@@ -338,61 +360,75 @@ if gluon is not None:
         if UNROLL == 2:
             for jj in range(0, (NKB - 1) // 2):
                 j = 2 * jj
-                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, k_full, k_empty,
-                                            v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK, p_layout,
-                                            o_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE, PERM_P)
-                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j + 1, q, qs, k_ring, ks_ring, v_ring, k_full,
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
                                             k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
-                                            p_layout, o_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE, PERM_P)
+                                            p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE,
+                                            PERM_P, ROWSUM_MMA)
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j + 1, q, qs, k_ring, ks_ring, v_ring, ones_smem,
+                                            k_full, k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK,
+                                            LK, p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL,
+                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA)
             # An odd count of inner tiles ends with one more inner step and the last tile in
             # their own branch: a branch that merged the score tile back (one step peeled
             # before or after the loop) made ptxas spill 1.5 KB and serialise the wgmmas.
             if (NKB - 1) % 2 == 1:
-                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, NKB - 2, q, qs, k_ring, ks_ring, v_ring, k_full,
-                                            k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
-                                            p_layout, o_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE, PERM_P)
-                acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, v_full, v_empty,
-                                      o_zero, p_layout, o_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE, PERM_P)
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, NKB - 2, q, qs, k_ring, ks_ring, v_ring, ones_smem,
+                                            k_full, k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK,
+                                            LK, p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL,
+                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+                acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full,
+                                      v_empty, o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL,
+                                      EARLY_RESCALE, PERM_P, ROWSUM_MMA)
             else:
-                acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, v_full, v_empty,
-                                      o_zero, p_layout, o_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE, PERM_P)
+                acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full,
+                                      v_empty, o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL,
+                                      EARLY_RESCALE, PERM_P, ROWSUM_MMA)
         else:
             for j in range(0, NKB - 1):
-                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, k_full, k_empty,
-                                            v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK, p_layout,
-                                            o_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE, PERM_P)
-            acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, v_full, v_empty, o_zero,
-                                  p_layout, o_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE, PERM_P)
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
+                                            k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
+                                            p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE,
+                                            PERM_P, ROWSUM_MMA)
+            acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full, v_empty,
+                                  o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE,
+                                  PERM_P, ROWSUM_MMA)
         return acc, l_i
 
     @gluon.jit
-    def _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, v_full, v_empty, o_zero,
-                   p_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   TWO_LEVEL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr):
+    def _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full, v_empty, o_zero,
+                   p_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
+                   ROWSUM_MMA: gl.constexpr):
         # The last key tile: the only one that can hold padded keys, masked to -inf here.
         last = NKB - 1
         c = q_scale * gl.load(SK + last)
-        p8, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, last * BLOCK_N + offs_n, LK, acc, p_layout, o_layout,
-                                             True, EARLY_RESCALE, PERM_P)
-        pv = _pv_update(acc, p8, a, v_ring, v_full, o_zero, last, STAGES, TWO_LEVEL, EARLY_RESCALE)
-        pv = warpgroup_mma_wait(0, deps=(pv,))
+        p8, alpha, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, last * BLOCK_N + offs_n, LK, acc, p_layout,
+                                                    o_layout, True, EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+        pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, last, l_layout, STAGES,
+                             TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
+        if ROWSUM_MMA:
+            pv, l_i = warpgroup_mma_wait(0, deps=(pv, l_i))
+        else:
+            pv = warpgroup_mma_wait(0, deps=(pv,))
         mbarrier.arrive(v_empty.index(last % STAGES), count=1)
         acc = _accumulate(acc, pv, a, TWO_LEVEL, EARLY_RESCALE)
         return acc, l_i
 
     @gluon.jit
-    def _consumer_partition(q_smem, qs_smem, k_ring, ks_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty,
-                            SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB, NKB,
-                            WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _consumer_partition(q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty, v_full,
+                            v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB,
+                            NKB, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_D: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
                             TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr,
-                            PERM_P: gl.constexpr):
+                            PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr):
         ROWS: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_D, 32])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 8, 32])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
@@ -405,13 +441,18 @@ if gluon is not None:
         o_zero = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
         acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([ROWS], gl.float32, row_layout)
+        if ROWSUM_MMA:
+            l_i = gl.zeros([ROWS, 8], gl.float32, l_layout)  # P8 . ones: 8 equal columns
+        else:
+            l_i = gl.zeros([ROWS], gl.float32, row_layout)
         offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
 
         mbarrier.wait(q_bar, 0)
-        acc, l_i = _mainloop(q, qs, k_ring, ks_ring, v_ring, k_full, k_empty, v_full, v_empty, s_zero, o_zero,
-                             acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout, o_layout, BLOCK_N, STAGES,
-                             N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P)
+        acc, l_i = _mainloop(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty, s_zero,
+                             o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout, o_layout, l_layout,
+                             BLOCK_N, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+        if ROWSUM_MMA:
+            l_i = gl.max(l_i, 1)
 
         # Epilogue in fp32: V's per-channel scale, 1 / l (the 448 of P cancels) and V's mean.
         offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
@@ -426,12 +467,13 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_fp8_gluon_fwd(
-        q_desc, qs_desc, k_desc, ks_desc, v_desc, SQ, SK, SV, VMEAN, O,
+        q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, SQ, SK, SV, VMEAN, O,
         stride_ob, stride_oh, stride_om, stride_od,
         H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
         N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
+        ROWSUM_MMA: gl.constexpr,
     ):
         start_m = gl.program_id(0)
         bh = gl.program_id(1)
@@ -444,6 +486,7 @@ if gluon is not None:
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         ks_ring = gl.allocate_shared_memory(ks_desc.dtype, [STAGES] + ks_desc.block_type.shape, ks_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        ones_smem = gl.allocate_shared_memory(ones_desc.dtype, ones_desc.block_type.shape, ones_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -461,17 +504,17 @@ if gluon is not None:
         q_row0 = bh * LQ_PAD + start_m * 128
         o_row0 = off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
         gl.warp_specialize([
-            (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty,
-                                   SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB, NKB,
-                                   0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
-                                   EARLY_RESCALE, PERM_P)),
-            (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty,
-                                   SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB, NKB,
-                                   1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
-                                   EARLY_RESCALE, PERM_P)),
-            (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, q_smem, qs_smem, k_ring, ks_ring, v_ring,
-                               q_bar, k_full, k_empty, v_full, v_empty, q_row0, bh * LK_PAD, bh * BLOCK_D, NKB,
-                               BLOCK_N, STAGES, N_OUT)),
+            (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty,
+                                   v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0,
+                                   LQ, LK, NQB, NKB, 0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
+                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA)),
+            (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty,
+                                   v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0,
+                                   LQ, LK, NQB, NKB, 1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
+                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA)),
+            (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
+                               v_ring, ones_smem, q_bar, k_full, k_empty, v_full, v_empty, q_row0, bh * LK_PAD,
+                               bh * BLOCK_D, NKB, BLOCK_N, STAGES, N_OUT, ROWSUM_MMA)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -498,13 +541,27 @@ def _block_shapes(block_n: int, block_d: int, side: int):
     """TMA box of each operand: Q / Q-side per warpgroup (64 rows), K / K-side per key tile,
     VT as [head dim, keys] (keys contiguous: the K-major B operand of P.V)."""
     return dict(q=[ROWS_PER_WARPGROUP, block_d], qs=[ROWS_PER_WARPGROUP, side], k=[block_n, block_d],
-                ks=[block_n, side], v=[block_d, block_n])
+                ks=[block_n, side], v=[block_d, block_n], ones=[8, block_n])
+
+
+# The ROWSUM_MMA configs' B operand: 8 rows of e4m3 ones (K-major like VT8), one per device
+# and key tile width, with its TMA descriptor, kept for the process (1 KB); every launch
+# passes the descriptor (the other configs never read it).
+@lru_cache(maxsize=None)
+def _ones_descriptor(device: torch.device, block_n: int):
+    ones = torch.ones(8, block_n, dtype=torch.float8_e4m3fn, device=device)
+    return TensorDescriptor.from_tensor(ones, [8, block_n], _fp8_layout([8, block_n]))
+
+
+cache_registry.register("kernels.attention_gluon_hopper.ones_descriptor", _ones_descriptor.cache_clear)
 
 
 def default_config(device=None) -> dict:
-    """GLUON_CONFIGS["sm90"], or "sm90_lean" under TRITON_ACCEL_GLUON_VARIANT=lean (benchmarks)."""
+    """GLUON_CONFIGS["sm90"], or "sm90_<variant>" under TRITON_ACCEL_GLUON_VARIANT=lean /
+    lean_rowsum (benchmarks)."""
     del device  # one target: sm_90
-    return dict(GLUON_CONFIGS["sm90_lean" if env_settings.gluon_variant() == "lean" else "sm90"])
+    variant = env_settings.gluon_variant()
+    return dict(GLUON_CONFIGS["sm90" if variant == "default" else f"sm90_{variant}"])
 
 
 def attention_gluon_fp8(q, k, v, scale=None, config=None, n_outlier: int = N_OUTLIER):
@@ -545,9 +602,11 @@ def attention_gluon_fp8_quantized(qkv, q_shape, lk: int, dtype, device, config):
                 k=qkv.k8.view(bh * lk_pad, block_d), ks=qkv.ks.view(bh * lk_pad, side),
                 v=qkv.vt8.view(bh * block_d, lk_pad))
     desc = {n: TensorDescriptor.from_tensor(t, shapes[n], _fp8_layout(shapes[n])) for n, t in flat.items()}
+    desc["ones"] = _ones_descriptor(torch.device(device), config["BLOCK_N"])
     grid = (qkv.sq.shape[1], bh)
     _attn_fp8_gluon_fwd[grid](
-        desc["q"], desc["qs"], desc["k"], desc["ks"], desc["v"], qkv.sq, qkv.sk, qkv.sv, qkv.vmean, out,
+        desc["q"], desc["qs"], desc["k"], desc["ks"], desc["v"], desc["ones"], qkv.sq, qkv.sk, qkv.sv, qkv.vmean,
+        out,
         *out.stride(), H, Lq, lk, lq_pad, lk_pad, qkv.sq.shape[1], qkv.sk.shape[1],
         HEAD_DIM=D, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"], N_OUT=qkv.n_outlier,
         TWO_LEVEL=config["TWO_LEVEL"], CONSUMER_REGS=config["CONSUMER_REGS"],
@@ -564,7 +623,7 @@ def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OU
     side = max(2 * n_outlier, 16)
     shapes = _block_shapes(config["BLOCK_N"], block_d, side)
     descs = {f"{n}_desc": f"tensordesc<fp8e4nv[{', '.join(map(str, s))}],{_fp8_layout(s)!r}>" for n, s in shapes.items()}
-    names = ["q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "SQ", "SK", "SV", "VMEAN", "O",
+    names = ["q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "ones_desc", "SQ", "SK", "SV", "VMEAN", "O",
              "stride_ob", "stride_oh", "stride_om", "stride_od", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB"]
     types = dict(descs, O=f"*{dtype}", **{n: "*fp32" for n in ("SQ", "SK", "SV", "VMEAN")})
     sig = {n: types.get(n, "i32") for n in names}

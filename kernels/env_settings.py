@@ -28,7 +28,7 @@ FAST_LAUNCH = "TRITON_ACCEL_FAST_LAUNCH"
 CACHE_DIR = "TRITON_ACCEL_CACHE_DIR"
 GLUON = "TRITON_ACCEL_GLUON"
 GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
-GLUON_VARIANTS = ("default", "lean")
+GLUON_VARIANTS = ("default", "lean", "lean_rowsum")
 TRITON_INTERPRET = "TRITON_INTERPRET"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 
@@ -56,10 +56,11 @@ SETTINGS = (
             "has Gluon and the kernel compiles there; off (any false word): always the plain-Triton "
             "full-FP8 kernel. Any other value means auto."),
     Setting(GLUON_VARIANT, "default",
-            "Loop shape of the Gluon attention kernels on sm_90: default (the measured one) or lean "
+            "Loop shape of the Gluon attention kernels on sm_90: default (the measured one), lean "
             "(FP8: two key tiles a loop trip, P handed to P.V without shuffles, early rescale; BF16 at "
-            "head dims 64 and 128: two key tiles a trip). lean is compile-checked, not yet timed on a "
-            "GPU: it exists for side-by-side benchmarks. Any other value means default."),
+            "head dims 64 and 128: two key tiles a trip) or lean_rowsum (lean, and FP8's row sums of P "
+            "on the tensor cores). lean and lean_rowsum are compile-checked, not yet timed on a GPU: "
+            "they exist for side-by-side benchmarks. Any other value means default."),
 )
 
 

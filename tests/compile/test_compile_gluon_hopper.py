@@ -16,7 +16,8 @@ What the PTX must show:
   default's SASS); UNROLL=2 at most a quarter of the one-tile loop's register copies a tile
   (that loop copies tile j+1's 64 score registers back at every back edge: 70-82 a tile with
   Triton 3.6 / 3.9, 1-4.5 unrolled); PERM_P no selects and a third of the shuffles (only the
-  row max and row sum's: 8 a tile, against 24 + 16 selects for P's layout change).
+  row max and row sum's: 8 a tile, against 24 + 16 selects for P's layout change); ROWSUM_MMA
+  at most 8 FADDs a tile (70 in the shipped loop) and fewer instructions than lean.
 Under TRITON_INTERPRET=1 (tests/conftest.py) kernels cannot be compiled, so one subprocess
 per Triton (the installed one and, where tests/versions/version_matrix.py installed it, 3.6,
 the H200 test machine's) with the variable unset compiles every case and reports JSON.
@@ -39,7 +40,7 @@ SMEM_LIMIT_SM90 = 232448
 # (config name, head dim): the shipped config at d128 and d64 (SD3-like), the two-level one,
 # each loop option alone and all three (sm90_lean) at d128 and d64.
 JOBS = [("sm90", 128), ("sm90", 64), ("sm90_two_level", 128), ("sm90_unroll", 128), ("sm90_early", 128),
-        ("sm90_permp", 128), ("sm90_lean", 128), ("sm90_lean", 64)]
+        ("sm90_permp", 128), ("sm90_lean", 128), ("sm90_lean", 64), ("sm90_lean_rowsum", 128)]
 TRITONS = ["installed", "3.6"]
 
 WORKER = r"""
@@ -74,7 +75,8 @@ for cfg_name, d in jobs:
             ptx = k.asm["ptx"]
             listing = compile_report.disassemble(k.asm["cubin"], triton)
             block_d = max(32, 1 << (d - 1).bit_length())
-            per_tile = block_d // 32 + 1 + cfg["BLOCK_N"] // 32
+            rowsum = g.loop_options(cfg)["ROWSUM_MMA"]  # P.ones: one more wgmma per P.V k-step
+            per_tile = block_d // 32 + 1 + cfg["BLOCK_N"] // 32 * (2 if rowsum else 1)
             out.append(dict(
                 loop=None if listing is None else compile_report.main_loop(listing, per_tile),
                 sass_spills=None if listing is None else compile_report.spills(listing),
@@ -123,7 +125,7 @@ def _expected_wgmma(cfg_name, head_dim):
 
     cfg = GLUON_CONFIGS[cfg_name]
     qk = padded_head_dim(head_dim) // 32 + 1  # + the outlier side dot's one k-step
-    pv = cfg["BLOCK_N"] // 32
+    pv = cfg["BLOCK_N"] // 32 * (2 if loop_options(cfg)["ROWSUM_MMA"] else 1)  # + P.ones per k-step
     if loop_options(cfg)["UNROLL"] == 2:
         # Prologue Q.K^T, two steps a trip, then the odd-count branch (one step + the last
         # tile's P.V) and the even one (the last tile's P.V).
@@ -185,3 +187,7 @@ def test_main_loop_sass(report, job):
         assert loop["per_tile"]["SHFL"] <= base["per_tile"]["SHFL"] / 3, (loop["per_tile"]["SHFL"],
                                                                           base["per_tile"]["SHFL"])
         assert loop["total"] < base["total"], (loop["total"], base["total"])
+    if opts["ROWSUM_MMA"]:
+        # The row sum left the FADD pipe (70 a tile in the shipped loop: 64 adds + reductions).
+        assert loop["per_tile"].get("FADD", 0) <= 8, loop["per_tile"]
+        assert loop["total"] < report[("sm90_lean", job[1])]["loop"]["total"], loop["total"]

@@ -183,7 +183,8 @@ def test_compile_specs_descriptors_parse(cfg, head_dim):
     (name, _, sig, const, _, warps), = glu.compile_specs("bf16", head_dim, glu.GLUON_CONFIGS[cfg])
     block_d = max(32, 1 << (head_dim - 1).bit_length())
     expect = dict(q_desc=[64, block_d], k_desc=[glu.GLUON_CONFIGS[cfg]["BLOCK_N"], block_d],
-                  v_desc=[block_d, glu.GLUON_CONFIGS[cfg]["BLOCK_N"]], qs_desc=[64, 32])
+                  v_desc=[block_d, glu.GLUON_CONFIGS[cfg]["BLOCK_N"]], qs_desc=[64, 32],
+                  ones_desc=[8, glu.GLUON_CONFIGS[cfg]["BLOCK_N"]])
     for arg, shape in expect.items():
         ty = str_to_ty(sig[arg], None)
         assert list(ty.block_type.shape) == shape, (arg, sig[arg])

@@ -265,7 +265,7 @@ def test_speed_summary_rows(tmp_path):
     assert speed_choice.speed_summary(SpeedChoice(tmp_path / "speed.json")) == rows
 
 
-@pytest.mark.parametrize("variant", [None, "default", "lean", "bogus"])
+@pytest.mark.parametrize("variant", [None, "default", "lean", "lean_rowsum", "bogus"])
 def test_speed_key_keeps_a_gluon_variant_apart(monkeypatch, variant):
     """TRITON_ACCEL_GLUON_VARIANT=lean (a benchmark's untimed loop variant) gets its own
     speed-cache entries; the default and unknown values keep the keys they always had, and the
@@ -279,7 +279,8 @@ def test_speed_key_keeps_a_gluon_variant_apart(monkeypatch, variant):
     fields = key.split("|")
     assert fields[:2] == ["NVIDIA H200", "sm_90"] and fields[-1] == "b1-h40/40-q32760-k32760-d128"
     assert fields[5] == f"{ORIGINAL}+{FP8}+{FP16}"
-    assert ("gluon lean" in fields) == (variant == "lean") and len(fields) == (8 if variant == "lean" else 7)
+    timed_apart = variant in ("lean", "lean_rowsum")
+    assert (f"gluon {variant}" in fields) == timed_apart and len(fields) == (8 if timed_apart else 7)
 
 
 def test_one_info_line_before_and_one_after_timing_then_silence(tmp_path, caplog):
