@@ -549,7 +549,7 @@ def _block_shapes(block_n: int, block_d: int, side: int):
 # passes the descriptor (the other configs never read it).
 @lru_cache(maxsize=None)
 def _ones_descriptor(device: torch.device, block_n: int):
-    ones = torch.ones(8, block_n, dtype=torch.float8_e4m3fn, device=device)
+    ones = torch.ones(8, block_n, device=device).to(torch.float8_e4m3fn)
     return TensorDescriptor.from_tensor(ones, [8, block_n], _fp8_layout([8, block_n]))
 
 
