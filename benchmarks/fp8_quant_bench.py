@@ -96,7 +96,7 @@ def run_shape(name, shape, gen, iters, log, do_sweep=False):
     res["sweep"] = sweep
     res["quantize_ms"] = bench(lambda: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn))
     res["quantize_no_side_ms"] = bench(lambda: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn, n_outlier=0))
-    qkv = quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn, v_key_perm=bool(glu.loop_options(cfg)["PERM_P"]))
+    qkv = glu.quantize_for_config(q, k, v, scale, cfg)
     res["kernel_ms"] = bench(lambda: glu.attention_gluon_fp8_quantized(qkv, q.shape, l, q.dtype, q.device, cfg))
     res["full_ms"] = bench(lambda: glu.attention_gluon_fp8(q, k, v))
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):

@@ -130,8 +130,7 @@ def speed(shape, configs, rep, lite=False):
         cfg = glu.GLUON_CONFIGS[c]
         try:
             ms[f"gluon_{c}"] = bench(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg), rep)
-            qkv = quant.quantize_qkv(q, k, v, scale * 1.0, glu.BLOCK_M, cfg["BLOCK_N"],
-                                     v_key_perm=bool(glu.loop_options(cfg)["PERM_P"]))
+            qkv = glu.quantize_for_config(q, k, v, scale * 1.0, cfg)
             ms[f"gluon_{c}_kernel"] = bench(
                 lambda: glu.attention_gluon_fp8_quantized(qkv, q.shape, shape[2], q.dtype, q.device, cfg), rep)
             if lite and i > 0:

@@ -578,9 +578,15 @@ def attention_gluon_fp8(q, k, v, scale=None, config=None, n_outlier: int = N_OUT
         return torch.empty_like(q)
     if k.shape[2] == 0:
         raise GluonUnsupportedError("attention_gluon_fp8: zero keys (softmax over nothing)")
-    qkv = quantize_qkv(q, k, v, scale, BLOCK_M, config["BLOCK_N"], n_outlier,
-                       v_key_perm=bool(loop_options(config)["PERM_P"]))
+    qkv = quantize_for_config(q, k, v, scale, config, n_outlier)
     return attention_gluon_fp8_quantized(qkv, q.shape, k.shape[2], q.dtype, q.device, config)
+
+
+def quantize_for_config(q, k, v, scale: float, config: dict, n_outlier: int = N_OUTLIER):
+    """quantize_qkv's operands as this config's kernel reads them: its tiles (BLOCK_M, the
+    config's BLOCK_N) and, for PERM_P configs, V's keys in v_key_order()."""
+    return quantize_qkv(q, k, v, scale, BLOCK_M, config["BLOCK_N"], n_outlier,
+                        v_key_perm=bool(loop_options(config)["PERM_P"]))
 
 
 def attention_gluon_fp8_quantized(qkv, q_shape, lk: int, dtype, device, config):
@@ -640,4 +646,4 @@ def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OU
 
 __all__ = ["attention_gluon_fp8", "attention_gluon_fp8_quantized", "gluon_refusal", "gluon_api_refusal",
            "api_gaps", "call_refusal", "compile_specs", "default_config", "GluonUnsupportedError", "GLUON_CONFIGS",
-           "MAX_HEAD_DIM", "BLOCK_M", "loop_options", "p_relabel", "P_RELABEL_ORDER"]
+           "MAX_HEAD_DIM", "BLOCK_M", "loop_options", "p_relabel", "P_RELABEL_ORDER", "quantize_for_config"]

@@ -79,6 +79,15 @@ def test_quantize_stores_v_keys_in_v_key_order():
         assert torch.equal(getattr(perm, name).float(), getattr(plain, name).float()), name
 
 
+@pytest.mark.parametrize("cfg", ["sm90", "sm90_lean", "sm90_lean_rowsum", "sm90_two_level"])
+def test_quantize_for_config_matches_what_its_kernel_reads(cfg):
+    q, k, v = _inputs((1, 1, 130, 128))
+    config = glu.GLUON_CONFIGS[cfg]
+    qkv = glu.quantize_for_config(q, k, v, 0.088, config)
+    assert (qkv.block_m, qkv.block_n) == (glu.BLOCK_M, config["BLOCK_N"])
+    assert qkv.v_key_perm == config["PERM_P"]
+
+
 def test_v_key_perm_needs_whole_groups_of_32_keys():
     q, k, v = _inputs((1, 1, 40, 64))
     with pytest.raises(ValueError, match="multiple of 32"):
