@@ -42,7 +42,6 @@ from _load import load_pack  # noqa: E402
 
 pack = load_pack()
 full = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_full")
-quant = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_quant")
 glu = importlib.import_module(pack.__name__ + ".kernels.attention_gluon_hopper")
 glb = importlib.import_module(pack.__name__ + ".kernels.attention_gluon_hopper_bf16")
 attn = importlib.import_module(pack.__name__ + ".kernels.attention")
