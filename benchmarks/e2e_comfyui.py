@@ -27,6 +27,8 @@ with:
   <variant>+lean, <variant>+lean_rowsum  that variant with TRITON_ACCEL_GLUON_VARIANT set so
                while it runs (the Gluon attention kernels' compile-checked loop variants;
                docs/settings.md), e.g. ours-all+lean or ours-all+lean_rowsum+compile
+  <variant>+norms  that variant with TRITON_ACCEL_FUSED_NORMS=1 (Wan: each block's LayerNorm +
+               modulation and q/k RMSNorm + RoPE fused, docs/settings.md), e.g. ours-all+norms
   <variant>+compile  that variant with ComfyUI's TorchCompileModel (inductor) applied last, as
                a user's graph puts it after the patch nodes ("default+compile" is ComfyUI's
                own compiled model); the first call, which compiles, is left out of the timing
@@ -405,6 +407,7 @@ def fast_launch_state() -> dict:
 
 COMPILED_SUFFIX = "+compile"
 GLUON_VARIANT_SUFFIXES = ("lean", "lean_rowsum")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
+NORMS_SUFFIX = "norms"  # +norms: TRITON_ACCEL_FUSED_NORMS=1 (Wan blocks' fused LayerNorm/RMSNorm/RoPE)
 
 
 def dynamo_summary() -> dict:
@@ -463,7 +466,7 @@ def split_variant(variant: str) -> tuple[str, str | None, bool]:
     """(the variant without suffixes, its Gluon loop variant or None, whether +compile)."""
     parts = variant.split("+")
     gluon = next((p for p in parts[1:] if p in GLUON_VARIANT_SUFFIXES), None)
-    rest = [p for p in parts[1:] if p not in GLUON_VARIANT_SUFFIXES and p != "compile"]
+    rest = [p for p in parts[1:] if p not in GLUON_VARIANT_SUFFIXES and p not in ("compile", NORMS_SUFFIX)]
     return "+".join([parts[0], *rest]), gluon, "compile" in parts[1:]
 
 
@@ -491,9 +494,24 @@ def gluon_variant(value):
             os.environ[name] = before
 
 
+@contextlib.contextmanager
+def fused_norms(on: bool):
+    """TRITON_ACCEL_FUSED_NORMS=1 while a +norms variant is patched and run (read at patch time)."""
+    name = "TRITON_ACCEL_FUSED_NORMS"
+    before = os.environ.pop(name, None)
+    if on:
+        os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if before is not None:
+            os.environ[name] = before
+
+
 def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False):
     base_name, gluon, compiled = split_variant(variant)
-    with gluon_variant(gluon):
+    with gluon_variant(gluon), fused_norms(NORMS_SUFFIX in variant.split("+")[1:]):
         row = run_variant_uncompiled(name, base_name, base, x, t, context, kwargs, steps, device, ref,
                                      dynamic_vram, compiled=compiled)
     row["variant"] = variant

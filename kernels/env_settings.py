@@ -29,6 +29,7 @@ CACHE_DIR = "TRITON_ACCEL_CACHE_DIR"
 GLUON = "TRITON_ACCEL_GLUON"
 GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
 GLUON_VARIANTS = ("default", "lean", "lean_rowsum")
+FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 
@@ -61,6 +62,11 @@ SETTINGS = (
             "head dims 64 and 128: two key tiles a trip) or lean_rowsum (lean, and FP8's row sums of P "
             "on the tensor cores). lean and lean_rowsum are compile-checked, not yet timed on a GPU: "
             "they exist for side-by-side benchmarks. Any other value means default."),
+    Setting(FUSED_NORMS, "off",
+            "Patch nodes that put our attention into a Wan model also fuse each attention block's "
+            "LayerNorm + modulation and q/k RMSNorm + RoPE into one pass each (the first call of "
+            "each block is checked against ComfyUI's). Checked on the CPU, not yet timed on a GPU: "
+            "off until it is. On (any other value): fused."),
 )
 
 

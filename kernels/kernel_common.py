@@ -195,6 +195,23 @@ if triton is not None:
             off = tl.multiple_of(off, ALIGN)
         return off
 
+    @triton.jit
+    def to_output_dtype(y, DTYPE: tl.constexpr, EXACT_BF16: tl.constexpr):
+        # fp32 -> DTYPE, rounding to nearest even. GPUs' cvt.rn does; the Triton interpreter
+        # truncates fp32 -> bf16 (half of all values land one ulp low), so under it
+        # (EXACT_BF16) the value is rounded on its bits first and the cast becomes exact.
+        # Finite values only: what the normalisation kernels produce from finite inputs.
+        if EXACT_BF16:
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            y = bits.to(tl.float32, bitcast=True)
+        return y.to(DTYPE)
+
+
+def exact_bf16(x: torch.Tensor) -> bool:
+    """The EXACT_BF16 constexpr of to_output_dtype(): a bf16 output under the interpreter."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
 
 # ---- where the FP8 kernels may run ------------------------------------------------------------
 

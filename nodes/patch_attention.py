@@ -21,7 +21,7 @@ import torch
 from .. import __version__ as PACK_VERSION
 from .. import kernels
 from ..kernels import env_settings, extensions
-from . import call_stats, compiled_ops
+from . import call_stats, compiled_ops, patch_fused_norms
 from .device_probe import probe
 from ..kernels.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
 from ..kernels.registry import BackendUnavailableError
@@ -386,6 +386,8 @@ def patch_model(model, settings: AccelSettings | None = None):
     # Wrap, never erase, an override another node installed: calls we hand back go through it.
     label = call_stats.new_model_label(type(getattr(model, "model", model)).__name__)
     to[OVERRIDE_KEY] = AttentionOverride(settings, previous=to.get(OVERRIDE_KEY), label=label)
+    if settings.mode != "off" and patch_fused_norms.enabled():
+        patch_fused_norms.patch_fused_norms(patched, label)
     return patched
 
 

@@ -53,6 +53,7 @@ EXTRA_FLASH = {"sm86": [("bf16", 128, 4096, 2, False), ("fp16", 40, 4096, 1, Tru
 # FP8 cases (dtype, head dim, mask kind, causal): compiled on sm89+, refused below.
 FP8_CASES = {"sm89": ("fp16", 64, 1, False), "sm90": ("bf16", 128, 1, True), "sm120": ("bf16", 128, 2, False)}
 FP8_REFUSAL_TARGETS = ("sm75", "sm80", "sm86")
+FUSED_NORM_TARGETS = ("sm86", "gfx1100")
 
 
 def load_pack():
@@ -134,6 +135,7 @@ def main():
     legacy = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 3)
     at, sk, fp8 = kernel("attention_triton"), kernel("attention_short_kv"), kernel("attention_fp8")
     fp8q = kernel("attention_fp8_quant")
+    norm_kernels = (kernel("norm_rope"), kernel("layer_norm_modulate"))
     gpu_rules = kernel("gpu_rules")
     report = {"triton": triton.__version__, "triton_file": triton.__file__, "features": features(tl),
               "import_seconds": round(time.time() - t_import, 2), "refused": {}, "cases": []}
@@ -197,6 +199,13 @@ def main():
             for kname, fn, sig, constexprs, attrs, warps in fp8q.compile_specs("bf16", 128, 128, 128):
                 build(name, "fp8_full_quant", kname, (fn, sig, constexprs, attrs),
                       dict(num_warps=warps, num_stages=3), target)
+        # The fused norms (RMSNorm + RoPE, LayerNorm + modulation) at Wan 14B's row width:
+        # row kernels without dots, one NVIDIA and one AMD target per release.
+        if name in FUSED_NORM_TARGETS:
+            for module in norm_kernels:
+                for fn, sig, constexprs, attrs, opts in module.compile_specs(dtype="bf16", channels=5120):
+                    build(name, "fused_norms", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
+                          (fn, sig, constexprs, attrs), opts, target)
     print("RESULT " + json.dumps(report), flush=True)
 
 

@@ -9,7 +9,9 @@ err (rel. L2), tol, error}]}.
 Tolerances (relative L2 against the float32 reference), as in tests/kernels/:
 - fp16: 2e-3 (p is rounded to fp16 before P@V); fp32: 1e-5 (the interpreter's fp32 dots are
   exact numpy products);
-- FP8 against attention_fp8_emulated (the same quantisation done in torch): 5e-3.
+- FP8 against attention_fp8_emulated (the same quantisation done in torch): 5e-3;
+- the fused norms (kernels/norm_rope.py, layer_norm_modulate.py), fp16, against their
+  references: 1e-3.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit r
 ROOT = Path(sys.argv[1])
 TOL = {"fp16": 2e-3, "fp32": 1e-5}
 FP8_TOL_EMU = 5e-3
+FUSED_NORM_TOL = 1e-3  # fp16, rounding where ComfyUI rounds: what is left is fp32 sum order
 
 # name: (B, H, Hkv, Lq, Lk, D, mask, causal). mask: None, "bool" ([B,1,Lq,Lk]), "pad"
 # (additive [B,1,1,Lk] padding mask with the last keys at -inf). Lengths are odd so every
@@ -115,7 +118,37 @@ def main():
         rec.update(ok=False, error=_error(e))
     rec["seconds"] = round(time.time() - t, 2)
     report["cases"].append(rec)
+    # The fused norms (fp16: bf16 casts are emulated under the interpreter, fp16's are not)
+    # against their references, which round where ComfyUI's ops round.
+    for name, run in (("fused_rms_norm_rope_fp16", _rms_norm_rope_case),
+                      ("fused_layer_norm_modulate_fp16", _layer_norm_modulate_case)):
+        rec = {"name": name, "tol": FUSED_NORM_TOL, "kernel": name[len("fused_"):-len("_fp16")]}
+        t = time.time()
+        try:
+            out, ref = run(torch)
+            err = rel_l2(out, ref)
+            rec.update(err=err, ok=err <= FUSED_NORM_TOL and out.dtype == torch.float16)
+        except Exception as e:
+            rec.update(ok=False, error=_error(e))
+        rec["seconds"] = round(time.time() - t, 2)
+        report["cases"].append(rec)
     print("RESULT " + json.dumps(report), flush=True)
+
+
+def _rms_norm_rope_case(torch):
+    nr = importlib.import_module("ta_interp.kernels.norm_rope")
+    x = rand((2, 13, 192), torch.float16, 5) * 3
+    weight = rand((192,), torch.float32, 6).abs().half() + 0.5
+    angles = rand((1, 13, 1, 32), torch.float32, 7)
+    freqs = torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], -1).reshape(1, 13, 1, 32, 2, 2)
+    return nr.rms_norm_rope(x, weight, freqs, 1e-6, 64), nr.rms_norm_rope_ref(x, weight, freqs, 1e-6, 64)
+
+
+def _layer_norm_modulate_case(torch):
+    lnm = importlib.import_module("ta_interp.kernels.layer_norm_modulate")
+    x = rand((2, 13, 200), torch.float16, 8) * 3 + 1
+    shift, scale = rand((2, 1, 200), torch.float16, 9) * 0.3, rand((2, 1, 200), torch.float16, 10) * 0.3
+    return lnm.layer_norm_modulate(x, shift, scale, 1e-6), lnm.layer_norm_modulate_ref(x, shift, scale, 1e-6)
 
 
 def _ours(filename: str) -> bool:

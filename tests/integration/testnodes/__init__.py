@@ -12,6 +12,8 @@ The integration fixture copies this folder into the temporary ComfyUI's custom_n
   directly with a model's transformer_options, for calls the pack must hand back (fp32 with
   low_precision_attention=False, head dim > 256, ...) and reports the error against an fp64
   reference.
+- TritonAccelTestFusedNorms: runs TritonAccelPatchAttention or TritonAccelPatch with
+  TRITON_ACCEL_FUSED_NORMS=1 (optionally after adding a pass-through attn1 patch).
 Routes: GET /triton_accel_test/spy -> recorded calls per tag, POST /triton_accel_test/spy/reset.
 """
 import json
@@ -178,7 +180,48 @@ class TritonAccelTestAttentionProbe:
         return {"ui": {"probe": [report]}, "result": (model,)}
 
 
+class TritonAccelTestFusedNorms:
+    """One of the pack's patch nodes run with TRITON_ACCEL_FUSED_NORMS=1 (the variable is read
+    when the node patches), optionally with a pass-through attn1 patch of "another node"
+    added first (calls carrying one must go to ComfyUI's block forward)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",),
+                             "node": (["TritonAccelPatchAttention", "TritonAccelPatch"],),
+                             "attn1_patch": ("BOOLEAN", {"default": False})},
+                "optional": {"settings": ("TRITON_ACCEL_SETTINGS",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "Triton Accel tests"
+
+    def patch(self, model, node, attn1_patch, settings=None):
+        import os
+
+        import nodes
+
+        if attn1_patch:
+            model = model.clone()
+            model.set_model_attn1_patch(lambda args: args["x"])
+        name = "TRITON_ACCEL_FUSED_NORMS"
+        before = os.environ.get(name)
+        os.environ[name] = "1"
+        try:
+            kwargs = {"settings": settings} if settings is not None else {}
+            if node == "TritonAccelPatch":
+                kwargs.update(skip="auto", min_tokens=1)
+            out = nodes.NODE_CLASS_MAPPINGS[node]().patch(model, **kwargs)
+        finally:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+        return out["result"] if isinstance(out, dict) else out
+
+
 NODE_CLASS_MAPPINGS = {
+    "TritonAccelTestFusedNorms": TritonAccelTestFusedNorms,
     "TritonAccelTestConditioning": TritonAccelTestConditioning,
     "TritonAccelTestEmptyLatent": TritonAccelTestEmptyLatent,
     "TritonAccelTestSpyOverride": TritonAccelTestSpyOverride,

@@ -1,0 +1,146 @@
+"""The fused-norm kernels on a GPU, beside what ComfyUI runs for the same work (Wan 2.1 shapes):
+
+- layer_norm_modulate vs torch's LayerNorm then addcmul(shift, norm, 1 + scale) (Wan's block);
+- rms_norm_rope vs torch's rms_norm then RoPE: comfy-kitchen's apply_rope1 where it is
+  importable (what ComfyUI 0.29 runs with comfy-kitchen's CUDA backend), and ComfyUI's eager
+  _apply_rope1 written out in torch (what it runs without).
+
+    python benchmarks/fused_norms_bench.py [--out DIR] [--shapes wan14b,wan1.3b]
+
+Random bf16 activations with outlier channels; `triton.testing.do_bench` medians; effective
+bandwidth counts one read and one write of the activation (what a single pass must move) for
+every variant, so the ratio of times and of "GB/s" is the same. Accuracy: bit-identical share
+and rel. L2 of ours against the torch sequence. Prints the table last; writes fused_norms.json.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _load import load_pack  # noqa: E402
+
+pack = load_pack()
+lnm = importlib.import_module(pack.__name__ + ".kernels.layer_norm_modulate")
+nr = importlib.import_module(pack.__name__ + ".kernels.norm_rope")
+
+# name -> (tokens, heads, head_dim): Wan 2.1 14B at 480p x 81 frames, 1.3B at the same size.
+SHAPES = {"wan14b": (32760, 40, 128), "wan1.3b": (32760, 12, 128)}
+
+
+def comfy_freqs(tokens: int, head_dim: int, device) -> torch.Tensor:
+    pos = torch.arange(tokens, dtype=torch.float64, device=device)[None, :]
+    scale = torch.linspace(0, (head_dim - 2) / head_dim, steps=head_dim // 2, dtype=torch.float64, device=device)
+    out = torch.einsum("...n,d->...nd", pos, 1.0 / (10000 ** scale))
+    out = torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], dim=-1)
+    return out.reshape(1, tokens, 1, head_dim // 2, 2, 2).float()
+
+
+def eager_rope(x, freqs):
+    x_ = x.to(freqs.dtype).reshape(*x.shape[:-1], -1, 1, 2)
+    out = freqs[..., 0] * x_[..., 0]
+    out.addcmul_(freqs[..., 1], x_[..., 1])
+    return out.reshape(*x.shape).type_as(x)
+
+
+def kitchen_rope():
+    try:
+        import comfy_kitchen
+
+        return comfy_kitchen.apply_rope1
+    except Exception as e:  # not installed, or no CUDA backend for this torch
+        return f"{type(e).__name__}: {e}"[:200]
+
+
+def compare(ours, ref) -> dict:
+    o, r = ours.float(), ref.float()
+    return {"identical": round((ours == ref).float().mean().item(), 5),
+            "rel_l2": (o - r).norm().item() / max(r.norm().item(), 1e-30)}
+
+
+def run_shape(name, tokens, heads, head_dim, device, bench):
+    c = heads * head_dim
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, tokens, c, device=device, generator=g) * 2 + 0.3
+    x[..., :: 97] *= 25  # outlier channels
+    x = x.to(torch.bfloat16)
+    e = (torch.randn(1, 6, c, device=device, generator=g) * 0.3).to(torch.bfloat16).chunk(6, dim=1)
+    weight = (torch.rand(c, device=device, generator=g) + 0.5).to(torch.bfloat16)
+    freqs = comfy_freqs(tokens, head_dim, device)
+    moved = 2 * x.numel() * x.element_size()
+    rows = []
+
+    def row(op, variant, fn, reference=None):
+        ms = bench(fn)
+        entry = dict(shape=name, op=op, variant=variant, ms=ms, gb_s=moved / ms / 1e6)
+        if reference is not None:
+            entry.update(compare(fn(), reference))
+        rows.append(entry)
+        return entry
+
+    def torch_ln_mod():
+        return torch.addcmul(e[0], torch.nn.functional.layer_norm(x, (c,), eps=1e-6), 1 + e[1])
+
+    ref = torch_ln_mod()
+    row("layernorm+modulate", "torch (ComfyUI)", torch_ln_mod)
+    row("layernorm+modulate", "ours fused", lambda: lnm.layer_norm_modulate(x, e[0], e[1], 1e-6), ref)
+
+    def torch_rms(v):
+        return torch.nn.functional.rms_norm(v, (c,), weight, 1e-6)
+
+    q_view = (1, tokens, heads, head_dim)
+    ref = eager_rope(torch_rms(x).view(q_view), freqs).view(1, tokens, c)
+    row("rmsnorm+rope", "torch rms_norm + eager rope (ComfyUI w/o comfy-kitchen)",
+        lambda: eager_rope(torch_rms(x).view(q_view), freqs))
+    kitchen = kitchen_rope()
+    if callable(kitchen):
+        row("rmsnorm+rope", "torch rms_norm + comfy-kitchen rope (ComfyUI default)",
+            lambda: kitchen(torch_rms(x).view(q_view), freqs))
+    else:
+        rows.append(dict(shape=name, op="rmsnorm+rope", variant="comfy-kitchen rope", error=kitchen))
+    row("rmsnorm+rope", "ours fused", lambda: nr.rms_norm_rope(x, weight, freqs, 1e-6, head_dim), ref)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--rep", type=int, default=100)
+    args = ap.parse_args()
+    import triton
+
+    device = torch.device("cuda")
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=args.rep)
+
+    rows = []
+    for name in args.shapes.split(","):
+        try:
+            rows += run_shape(name, *SHAPES[name], device, bench)
+        except Exception as e:
+            rows.append(dict(shape=name, error=f"{type(e).__name__}: {e}"[:300]))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "fused_norms.json").write_text(json.dumps(
+        dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows), indent=1))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
+    print("shape | op | variant | ms | GB/s (1 read + 1 write) | vs first | identical | rel L2")
+    first = {}
+    for r in rows:
+        if "error" in r:
+            print(f"{r.get('shape')} | {r.get('op', '')} | {r.get('variant', '')} | error: {r['error']}")
+            continue
+        base = first.setdefault((r["shape"], r["op"]), r["ms"])
+        print(f"{r['shape']} | {r['op']} | {r['variant']} | {r['ms']:.4f} | {r['gb_s']:.0f} | {base / r['ms']:.2f}x | "
+              f"{r.get('identical', '')} | {r.get('rel_l2', '')}")
+
+
+if __name__ == "__main__":
+    main()

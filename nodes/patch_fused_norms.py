@@ -1,0 +1,329 @@
+"""Fused norms for Wan's attention blocks: the elementwise work around attention and the MLP
+in one pass each, through kernels/layer_norm_modulate.py and kernels/norm_rope.py.
+
+What it replaces, per WanAttentionBlock call (comfy/ldm/wan/model.py), everything else staying
+ComfyUI's own modules (Linear layers, attention, cross-attention, FFN, so our Linear and
+attention patches still serve those calls):
+- norm1(x) then addcmul(e[0], ., 1 + e[1]) (and norm2 with e[3], e[4]): one
+  layer_norm_modulate pass each, instead of LayerNorm plus a broadcasting addcmul;
+- in the self-attention, norm_q(q(x)) then apply_rope1 (and the same for k): one
+  rms_norm_rope pass each, instead of torch's RMSNorm plus comfy-kitchen's RoPE.
+Measured at Wan 2.1 14B (H200, session 25's profile), those ops take 0.25 + 0.50 and
+0.30 + 0.54 ms a call, 60 + 68 ms of a 2081 ms step; one pass of a 32760 x 5120 bf16
+activation in and out is ~0.2 ms at the H200's copy rate. Whether the fused passes get there
+is **not measured yet** (no GPU was lent since they were written), so this is off unless
+TRITON_ACCEL_FUSED_NORMS is set (docs/settings.md).
+
+How, and why this way:
+- Each block's `forward` becomes an object patch on the patched clone (as the Linear patch
+  does for each Linear), installed when ComfyUI loads that clone and removed when it unloads
+  it. Only blocks whose class is ComfyUI's WanAttentionBlock with its own forward and a
+  WanSelfAttention with RMSNorm q/k norms are patched; subclasses (VACE, S2V...) keep theirs.
+- A call goes to the block's original forward when anything is unusual: torch.compile tracing
+  (inductor fuses these ops itself), per-frame modulation (Wan 2.2 TI2V's timesteps), modulation in
+  another dtype than x (ComfyUI would then promote the block's output), attn1/attn2 patches
+  of other nodes, rope freqs of another layout, a device the kernels cannot run on. Counted
+  per reason in call_stats (kind "norms").
+- Quality guard: the first call of each block on each device runs the original forward too
+  and compares; a rel. L2 above GUARD_MAX_REL_L2 or a NaN/Inf sends that block to ComfyUI's
+  forward for good. The kernels round where ComfyUI's ops round, so the two agree to a bf16
+  rounding (bit for bit under the interpreter at the tests' shapes).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import types
+
+import torch
+
+from ..kernels import env_settings
+from ..kernels.layer_norm_modulate import LayerNormModulateInputError, layer_norm_modulate
+from ..kernels.layer_norm_modulate import refusal as layer_norm_modulate_refusal
+from ..kernels.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
+from ..kernels.norm_rope import refusal as norm_rope_refusal
+from . import call_stats
+
+log = logging.getLogger("triton_accel.nodes.patch_fused_norms")  # not __name__: the clone's folder name
+
+KIND = "norms"
+PATH = "fused_norms"
+CALLBACK_KEY = "triton_accel_fused_norms"
+# The fused passes reproduce ComfyUI's roundings; what is left is the order of fp32 sums and
+# rsqrt's last bits (a bf16 ulp on a few values). A block differing by more is not the block
+# this module was written for.
+GUARD_MAX_REL_L2 = 0.01
+WAN_MODULE = "comfy.ldm.wan.model"
+
+REASON_COMPILING = "torch.compile tracing (inductor fuses these ops itself)"
+REASON_PATCHES = "attn1/attn2 patches of another node"
+REASON_FALLBACK = "block failed the first-call check"
+
+
+class FusedWanBlock:
+    """The object patch of one WanAttentionBlock's forward; shared by clones, never copied."""
+
+    def __init__(self, label: str, name: str, module: torch.nn.Module, previous):
+        self.label = label
+        self.name = name
+        self.module = module
+        self.previous = previous  # the block's own forward (bound method)
+        self.guarded: set[str] = set()  # devices whose first call agreed with the original
+        self.fallbacks: dict[str, str] = {}  # device -> why this block runs ComfyUI's forward for good
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _original(self, args, kwargs, reason: str):
+        call_stats.record(call_stats.OUTCOME_HANDED_BACK, reason, kind=KIND, model=self.label)
+        return self.previous(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.previous(*args, **kwargs)  # traced as ComfyUI's: not counted, like the Linear patch
+        try:
+            call = _bind(args, kwargs)
+            reason = self._refusal(call)
+        except (TypeError, NormRopeInputError, LayerNormModulateInputError) as e:
+            reason = getattr(e, "reason", None) or f"arguments: {e}"
+        if reason is not None:
+            return self._original(args, kwargs, reason)
+        device = str(call["x"].device)
+        if device in self.fallbacks:
+            return self._original(args, kwargs, REASON_FALLBACK)
+        if device not in self.guarded:
+            return self._guarded_call(args, kwargs, call, device)
+        out = self._fused(**call)
+        call_stats.record(call_stats.OUTCOME_SERVED, path=PATH, kind=KIND, model=self.label)
+        return out
+
+    def _guarded_call(self, args, kwargs, call: dict, device: str):
+        reference = self.previous(*args, **kwargs)
+        try:
+            ours = self._fused(**call)
+            failure = _guard_failure(ours, reference)
+        except Exception as e:  # a kernel that fails here fails for good on this device
+            failure = f"kernel error: {type(e).__name__}: {e}"
+        if failure is not None:
+            self.fallbacks[device] = failure
+            log.warning("Triton Accel fused norms: %s block %s goes to ComfyUI's forward on %s: %s",
+                        self.label, self.name, device, failure)
+            call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_FALLBACK, kind=KIND, model=self.label)
+        else:
+            self.guarded.add(device)
+            call_stats.record(call_stats.OUTCOME_SERVED, path=PATH, kind=KIND, model=self.label)
+        return reference
+
+    def _refusal(self, call: dict) -> str | None:
+        x, e, freqs = call["x"], call["e"], call["freqs"]
+        block = self.module
+        patches = call["transformer_options"].get("patches", {})
+        if "attn1_patch" in patches or "attn2_patch" in patches:
+            return REASON_PATCHES
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != block.dim:
+            return f"x is not [B, L, {block.dim}]"
+        if not isinstance(e, torch.Tensor) or not _one_modulation(e, x):
+            return "modulation is not one [6, C] per batch element (per-frame timesteps stay ComfyUI's)"
+        if e.dtype != x.dtype:
+            return f"modulation in {e.dtype}, x in {x.dtype}"
+        if torch.is_grad_enabled() and (x.requires_grad or e.requires_grad):
+            return "autograd records this call"
+        for why in (layer_norm_modulate_refusal(x.device), norm_rope_refusal(x.device)):
+            if why is not None:
+                return why
+        if not isinstance(freqs, torch.Tensor):
+            return "no rope freqs tensor"
+        freqs_table(freqs, x.shape[0], x.shape[1], block.self_attn.head_dim)  # raises with the reason
+        return None
+
+    def _fused(self, x, e, freqs, context, context_img_len=257, transformer_options={}):
+        block = self.module
+        model_management = _wan_globals(block)["comfy"].model_management
+        modulation = model_management.cast_to(block.modulation, dtype=x.dtype, device=x.device)
+        # ComfyUI 0.3.x hands [B, 6, C]; 0.4+ [B, T, 6, C] with T = 1 here (_one_modulation).
+        e = (modulation + e).chunk(6, dim=1) if e.dim() == 3 else (modulation.unsqueeze(0) + e).unbind(2)
+        x = x.contiguous()
+        y = _self_attention(block.self_attn, layer_norm_modulate(x, e[0], e[1], block.norm1.eps), freqs,
+                            transformer_options)
+        x = torch.addcmul(x, y, e[2])
+        del y
+        x = x + block.cross_attn(block.norm3(x), context, context_img_len=context_img_len,
+                                 transformer_options=transformer_options)
+        y = block.ffn(layer_norm_modulate(x, e[3], e[4], block.norm2.eps))
+        return torch.addcmul(x, y, e[5])
+
+
+def _one_modulation(e: torch.Tensor, x: torch.Tensor) -> bool:
+    """e is one set of 6 modulation vectors per batch element: [B, 6, C] (ComfyUI 0.3.x) or
+    [B, 1, 6, C] (0.4+, whose per-frame timesteps make that 1 the frame count), B 1 or x's."""
+    shape = tuple(e.shape)
+    if len(shape) == 4 and shape[1] == 1:
+        shape = (shape[0], shape[2], shape[3])
+    return len(shape) == 3 and shape[1] == 6 and shape[2] == x.shape[-1] and shape[0] in (1, x.shape[0])
+
+
+def _bind(args, kwargs) -> dict:
+    """WanAttentionBlock.forward's arguments by name (raises TypeError for any other call)."""
+    names = ("x", "e", "freqs", "context", "context_img_len", "transformer_options")
+    if len(args) > len(names) or set(kwargs) - set(names):
+        raise TypeError("not WanAttentionBlock.forward's arguments")
+    call = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key in call:
+            raise TypeError(f"{key} given twice")
+        call[key] = value
+    if any(n not in call for n in names[:4]):
+        raise TypeError("x, e, freqs and context are required")
+    call.setdefault("context_img_len", 257)
+    call.setdefault("transformer_options", {})
+    return call
+
+
+def _wan_globals(block) -> dict:
+    """The namespace ComfyUI's Wan module code runs in: what it calls optimized_attention and
+    comfy.model_management, so ours calls the very same functions."""
+    return type(block).forward.__globals__
+
+
+def _norm_weight(norm, x: torch.Tensor):
+    """(weight in x's dtype on x's device, release) the way ComfyUI's RMSNorm gets it: cast by
+    comfy.ops (LoRA weight functions, offloading, dynamic VRAM) where the module casts, its own
+    parameter otherwise."""
+    weight = getattr(norm, "weight", None)
+    if weight is None:
+        return None, None
+    casts = (getattr(norm, "comfy_cast_weights", False) or len(getattr(norm, "weight_function", ()))
+             or len(getattr(norm, "bias_function", ())))
+    if not casts and weight.device == x.device and weight.dtype == x.dtype:
+        return weight, None
+    ops = sys.modules.get("comfy.ops")
+    cast = getattr(ops, "cast_bias_weight", None)
+    if cast is None:
+        return weight.to(device=x.device, dtype=x.dtype), None
+    if "offloadable" in inspect.signature(cast).parameters:  # ComfyUI 0.4+: hand the cast back after use
+        w, b, stream = cast(norm, x, offloadable=True)
+        return w, (lambda: ops.uncast_bias_weight(norm, w, b, stream))
+    w, _ = cast(norm, x)
+    return w, None
+
+
+def _norm_rope(norm, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> torch.Tensor:
+    weight, release = _norm_weight(norm, x)
+    try:
+        return rms_norm_rope(x, weight, freqs, norm.eps, head_dim)
+    finally:
+        if release is not None:
+            release()
+
+
+def _self_attention(attn, x: torch.Tensor, freqs: torch.Tensor, transformer_options: dict) -> torch.Tensor:
+    """WanSelfAttention.forward with each of q and k normalised and rotated in one pass (calls
+    with attn1 patches never get here)."""
+    b, s, n, d = *x.shape[:2], attn.num_heads, attn.head_dim
+    q = _norm_rope(attn.norm_q, attn.q(x), freqs, d)
+    k = _norm_rope(attn.norm_k, attn.k(x), freqs, d)
+    out = _wan_globals(attn)["optimized_attention"](q.view(b, s, n * d), k.view(b, s, n * d),
+                                                     attn.v(x).view(b, s, n * d), heads=n,
+                                                     transformer_options=transformer_options)
+    return attn.o(out)
+
+
+def _is_own_forward(module: torch.nn.Module, class_name: str) -> bool:
+    cls = type(module)
+    return (cls.__name__ == class_name and cls.__module__ == WAN_MODULE
+            and getattr(cls.forward, "__qualname__", "") == f"{class_name}.forward")
+
+
+def fusable_block(block: torch.nn.Module) -> str | None:
+    """Why `block` is not a Wan attention block this patch knows (None: it is)."""
+    if not _is_own_forward(block, "WanAttentionBlock"):
+        return f"{type(block).__name__} is not ComfyUI's WanAttentionBlock"
+    attn = getattr(block, "self_attn", None)
+    if attn is None or not _is_own_forward(attn, "WanSelfAttention"):
+        return "self-attention is not ComfyUI's WanSelfAttention"
+    for name in ("norm_q", "norm_k"):
+        norm = getattr(attn, name, None)
+        if not isinstance(norm, torch.nn.RMSNorm) or getattr(norm, "eps", None) is None \
+                or tuple(norm.normalized_shape) != (block.dim,):
+            return f"{name} is not an RMSNorm over {block.dim} channels with eps"
+    for name in ("norm1", "norm2"):
+        norm = getattr(block, name, None)
+        if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is not None \
+                or tuple(norm.normalized_shape) != (block.dim,):
+            return f"{name} is not a LayerNorm over {block.dim} channels without affine"
+    if attn.head_dim % 2 or block.dim != attn.num_heads * attn.head_dim:
+        return "heads do not tile the channels in even head dims"
+    return None
+
+
+def enabled() -> bool:
+    return env_settings.flag(env_settings.FUSED_NORMS, False)
+
+
+def patch_fused_norms(patched, label: str) -> int:
+    """Put FusedWanBlock object patches on every fusable block of `patched` (a ModelPatcher
+    clone, changed in place); returns how many. Blocks already patched are left as they are."""
+    diffusion_model = getattr(getattr(patched, "model", None), "diffusion_model", None)
+    blocks = getattr(diffusion_model, "blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        return 0
+    count = 0
+    for i, block in enumerate(blocks):
+        if fusable_block(block) is not None:
+            continue
+        key = f"diffusion_model.blocks.{i}.forward"
+        previous = patched.get_model_object(key)
+        if isinstance(previous, FusedWanBlock):
+            continue
+        if not (isinstance(previous, types.MethodType) and previous.__self__ is block):
+            continue  # another node's patch of this block: left alone
+        patched.add_object_patch(key, FusedWanBlock(label, f"blocks.{i}", block, previous))
+        count += 1
+    if count:
+        _add_multigpu_callbacks(patched)
+        log.info("Triton Accel fused norms (%s): %d Wan attention blocks patched", label, count)
+    return count
+
+
+def _add_multigpu_callbacks(patched) -> None:
+    add = getattr(patched, "add_callback_with_key", None)
+    if add is None:
+        return
+    try:
+        from comfy.patcher_extension import CallbacksMP
+
+        names = (getattr(CallbacksMP, "ON_DEEPCLONE_MULTIGPU", "on_deepclone_multigpu"),
+                 getattr(CallbacksMP, "ON_MATCH_MULTIGPU_CLONES", "on_match_multigpu_clones"))
+    except ImportError:  # outside ComfyUI (tests): the names ComfyUI uses
+        names = ("on_deepclone_multigpu", "on_match_multigpu_clones")
+    for name in names:
+        if CALLBACK_KEY not in getattr(patched, "callbacks", {}).get(name, {}):
+            add(name, CALLBACK_KEY, on_multigpu_clone)
+
+
+def on_multigpu_clone(source, clone) -> None:
+    """ComfyUI's MultiGPU clone callbacks: the clone carries its own copy of the model on
+    another GPU, but copies of `source`'s object patches, which wrap `source`'s blocks. Point
+    each at the clone's own block (and its own forward), with a guard of its own."""
+    diffusion_model = getattr(getattr(clone, "model", None), "diffusion_model", None)
+    for key, value in list(clone.object_patches.items()):
+        if not isinstance(value, FusedWanBlock):
+            continue
+        try:
+            block = diffusion_model.get_submodule(value.name)
+        except AttributeError:
+            block = None
+        if block is value.module:
+            continue
+        if block is None or fusable_block(block) is not None:
+            del clone.object_patches[key]
+            continue
+        clone.object_patches[key] = FusedWanBlock(value.label, value.name, block,
+                                                  types.MethodType(type(block).forward, block))
+
+
+def _guard_failure(ours: torch.Tensor, reference: torch.Tensor) -> str | None:
+    from .patch_linear import guard_failure
+
+    return guard_failure(ours, reference, GUARD_MAX_REL_L2)

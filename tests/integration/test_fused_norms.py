@@ -1,0 +1,88 @@
+"""TRITON_ACCEL_FUSED_NORMS in a real ComfyUI: Wan's attention blocks with the fused LayerNorm +
+modulation and q/k RMSNorm + RoPE (nodes/patch_fused_norms.py), on the CPU under the
+interpreter, where ComfyUI runs the tiny Wan 2.1 in fp32.
+
+Tolerance against the same chain without the fused norms: rel. L2 of the sampled latent
+< 1e-5. Both sides run the same Linear / attention; the fused kernels differ from torch's
+LayerNorm / RMSNorm only in the order of their fp32 row sums (~1e-7 per value), while a 1 %
+attention error moves this latent by 2.4e-3 (test_attention_patch.py's calibration).
+"""
+
+from it_workflows import linear_patch, read_latent, rel_l2, sampling_workflow
+
+FAMILY = "wan21"
+FUSED_TOL = 1e-5
+EXACT_TOL = 1e-6
+STEPS_BLOCK_CALLS = 2  # 2 Euler steps, cfg 1 (one model call a step), one block
+
+
+def with_guard_run(count: int) -> int:
+    """Calls inside the block when the first-call guard runs the block a second time (ComfyUI's
+    forward and ours): the tiny Wan has one block, so that is one step's calls more."""
+    return count * (STEPS_BLOCK_CALLS + 1) // STEPS_BLOCK_CALLS
+
+
+def fused(node="TritonAccelPatchAttention", attention="fp16", linear=None, attn1_patch=False):
+    settings = {"mode": attention, "device": "auto"}
+    if linear is not None:
+        settings["linear"] = linear
+    return ("TritonAccelTestFusedNorms", {"node": node, "attn1_patch": attn1_patch, "settings": ("settings", settings)})
+
+
+def _sample(comfy, chain, tag):
+    prompt, save, _ = sampling_workflow(FAMILY, model_chain=chain, tag=tag, models=comfy.models)
+    comfy.reset_stats()
+    entry = comfy.run(prompt)
+    return read_latent(comfy, entry, save), comfy.stats()
+
+
+def _kind(stats, kind):
+    return stats.get("kinds", {}).get(kind, {"served": 0, "handed_back": 0, "reasons": {}, "paths": {}})
+
+
+def test_fused_norms_match_the_unfused_patch(comfy):
+    plain, plain_stats = _sample(comfy, [("TritonAccelPatchAttention", {"settings": ("settings", {"mode": "fp16"})})],
+                                 "plain")
+    latent, stats = _sample(comfy, [fused()], "fused")
+    norms = _kind(stats, "norms")
+    err = rel_l2(latent, plain)
+    print(f"\nfused norms vs unfused: rel L2 {err:.3e}; norms {norms}; attention {stats.get('calls')}")
+    assert norms["served"] == STEPS_BLOCK_CALLS and norms["handed_back"] == 0, norms
+    assert norms["paths"] == {"fused_norms": STEPS_BLOCK_CALLS}, norms
+    # the attention calls inside the fused blocks still reach our attention kernel
+    served = plain_stats["calls"].get("triton", 0)
+    assert served > 0 and stats["calls"].get("triton", 0) == with_guard_run(served), (stats, plain_stats)
+    assert err < FUSED_TOL, err
+
+
+def test_fused_norms_with_the_linear_patch(comfy):
+    ref, ref_stats = _sample(comfy, [linear_patch("fp8", attention_mode="fp16", combined=True)], "linear")
+    latent, stats = _sample(comfy, [fused("TritonAccelPatch", linear="fp8")], "fused_linear")
+    norms, linear = _kind(stats, "norms"), _kind(stats, "linear")
+    err = rel_l2(latent, ref)
+    print(f"\nfused norms + Linear vs Linear alone: rel L2 {err:.3e}; norms {norms}; linear served "
+          f"{linear['served']} (alone {_kind(ref_stats, 'linear')['served']})")
+    assert norms["served"] == STEPS_BLOCK_CALLS and norms["handed_back"] == 0, norms
+    alone = _kind(ref_stats, "linear")["served"]
+    assert alone > 0 and linear["served"] == with_guard_run(alone), (linear, _kind(ref_stats, "linear"))
+    assert err < FUSED_TOL, err
+
+
+def test_blocks_with_attn1_patches_go_to_comfyui(comfy):
+    """Another node's attn1 patch is applied inside WanSelfAttention: the fused block must hand
+    the call back rather than skip it."""
+    ref, _ = _sample(comfy, [("TritonAccelTestFusedNorms", {"node": "TritonAccelPatchAttention", "attn1_patch": True,
+                                                             "settings": ("settings", {"mode": "off"})})], "patched_off")
+    latent, stats = _sample(comfy, [fused(attn1_patch=True)], "patched_fused")
+    norms = _kind(stats, "norms")
+    print(f"\nattn1 patch: norms {norms}")
+    assert norms["served"] == 0 and norms["handed_back"] == STEPS_BLOCK_CALLS, norms
+    assert list(norms["reasons"]) == ["attn1/attn2 patches of another node"], norms
+    assert rel_l2(latent, ref) < 1e-4  # fp16 mode: our attention kernel (fp32 on the CPU) vs ComfyUI's
+
+
+def test_attention_off_patches_no_block(comfy):
+    ref, _ = _sample(comfy, [], "ref")
+    latent, stats = _sample(comfy, [fused(attention="off")], "off")
+    assert _kind(stats, "norms")["served"] == _kind(stats, "norms")["handed_back"] == 0
+    assert rel_l2(latent, ref) < EXACT_TOL

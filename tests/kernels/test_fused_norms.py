@@ -1,0 +1,224 @@
+"""kernels/norm_rope.py and kernels/layer_norm_modulate.py under the Triton interpreter against
+ComfyUI's own ops (the references compute in float32 and round where ComfyUI rounds).
+
+Tolerances (rel. L2 against the reference, per dtype):
+- fp16 / bf16: 1e-3, and at least 99.9 % of values bit-identical. Both kernels round where
+  ComfyUI's ops round (the normalised row, `1 + scale`, the output), so what is left is the
+  order of the fp32 row sums and rsqrt's last bits: a one-ulp flip on a value sitting on a
+  rounding boundary;
+- fp32: 1e-6 (fp32 sums in another order).
+Inputs carry outlier channels (x30 on a few channels, as DiT activations have) and a row
+offset, so the mean subtraction and the full-row RMS are exercised, not only unit noise.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_accel.kernels import layer_norm_modulate as lnm
+from triton_accel.kernels import norm_rope as nr
+
+TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-6}
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (name, batch, tokens, heads, head_dim): Wan 2.1 1.3B (12 x 128) and 14B (40 x 128) channel
+# counts with a few tokens, and a small odd-sized case.
+SHAPES = [("wan_1.3b", 1, 9, 12, 128), ("wan_14b", 1, 5, 40, 128), ("small_odd", 2, 13, 3, 64)]
+
+
+def comfy_rope(tokens: int, head_dim: int, batch: int = 1, offset: float = 0.0) -> torch.Tensor:
+    """comfy.ldm.flux.math.rope's freqs for positions offset..offset+tokens, in Wan's layout
+    after movedim: [batch, tokens, 1, head_dim/2, 2, 2] float32."""
+    pos = torch.arange(tokens, dtype=torch.float32)[None, :].repeat(batch, 1) + offset
+    pos = pos + torch.arange(batch, dtype=torch.float32)[:, None] * 7.0  # distinct per batch element
+    scale = torch.linspace(0, (head_dim - 2) / head_dim, steps=head_dim // 2, dtype=torch.float64)
+    omega = 1.0 / (10000 ** scale)
+    out = torch.einsum("...n,d->...nd", pos.double(), omega)
+    out = torch.stack([torch.cos(out), -torch.sin(out), torch.sin(out), torch.cos(out)], dim=-1)
+    return out.reshape(batch, tokens, 1, head_dim // 2, 2, 2).float()
+
+
+def activations(batch, tokens, channels, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, tokens, channels, generator=g) * 2.0 + 0.5
+    x[..., 3] *= 30.0
+    x[..., channels // 2 + 1] *= -30.0
+    return x.to(dtype)
+
+
+def check(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    o, r = out.float(), ref.float()
+    assert torch.isfinite(o).all()
+    rel = ((o - r).norm() / r.norm()).item()
+    assert rel <= TOL[dtype], rel
+    if dtype != torch.float32:
+        same = (out == ref).float().mean().item()
+        assert same >= 0.999, same
+
+
+def comfy_rms_norm_rope(x, weight, freqs, eps, head_dim):
+    """What ComfyUI's Wan self-attention does to q: torch's rms_norm in x's dtype, then
+    _apply_rope1 (float32 freqs) on the [b, s, n, d] view."""
+    b, s, c = x.shape
+    y = torch.nn.functional.rms_norm(x.float(), (c,), None if weight is None else weight.float(), eps).to(x.dtype)
+    y_ = y.view(b, s, c // head_dim, head_dim).to(freqs.dtype).reshape(b, s, c // head_dim, -1, 1, 2)
+    out = freqs[..., 0] * y_[..., 0]
+    out.addcmul_(freqs[..., 1], y_[..., 1])
+    return out.reshape(b, s, c).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,batch,tokens,heads,head_dim", SHAPES, ids=[s[0] for s in SHAPES])
+def test_rms_norm_rope_matches_comfyui(dtype, name, batch, tokens, heads, head_dim):
+    channels = heads * head_dim
+    x = activations(batch, tokens, channels, dtype)
+    weight = (torch.rand(channels, generator=torch.Generator().manual_seed(1)) + 0.5).to(dtype)
+    freqs = comfy_rope(tokens, head_dim, offset=11.0)
+    out = nr.rms_norm_rope(x, weight, freqs, 1e-6, head_dim)
+    check(out, nr.rms_norm_rope_ref(x, weight, freqs, 1e-6, head_dim), dtype)
+    check(out, comfy_rms_norm_rope(x, weight, freqs, 1e-6, head_dim), dtype)
+
+
+@pytest.mark.parametrize("case", ["per_batch_freqs", "no_weight", "strided_rows", "zero_row", "two_dims"])
+def test_rms_norm_rope_edge_cases(case):
+    dtype, batch, tokens, heads, head_dim = torch.bfloat16, 2, 7, 4, 32
+    channels = heads * head_dim
+    x = activations(batch, tokens, channels, dtype, seed=3)
+    weight = (torch.rand(channels) + 0.5).to(dtype)
+    freqs = comfy_rope(tokens, head_dim)
+    if case == "per_batch_freqs":
+        freqs = comfy_rope(tokens, head_dim, batch=batch)
+    elif case == "no_weight":
+        weight = None
+    elif case == "strided_rows":  # a column slice of a wider activation (a fused QKV's q part)
+        x = torch.cat([x, activations(batch, tokens, 64, dtype, seed=4)], dim=-1)[..., :channels]
+        assert not x.is_contiguous()
+    elif case == "zero_row":  # rms 0: eps keeps it finite, the row stays 0
+        x[1, 2] = 0
+    out = nr.rms_norm_rope(x[0] if case == "two_dims" else x, weight, freqs, 1e-6, head_dim)
+    ref = comfy_rms_norm_rope(x, weight, freqs if case != "two_dims" else freqs, 1e-6, head_dim)
+    check(out, ref[0] if case == "two_dims" else ref, dtype)
+    if case == "zero_row":
+        assert (out[1, 2] == 0).all()
+
+
+@pytest.mark.parametrize("bad,reason", [
+    ("freqs_fp16", "float32"), ("freqs_tokens", "do not match"), ("odd_head_dim", "whole heads"),
+    ("weight_shape", "norm weight"), ("int_dtype", "dtype"), ("too_wide", "exceed")])
+def test_rms_norm_rope_refuses_with_reason(bad, reason):
+    x = torch.randn(1, 4, 64, dtype=torch.float16)
+    weight, freqs, head_dim = torch.ones(64, dtype=torch.float16), comfy_rope(4, 32), 32
+    if bad == "freqs_fp16":
+        freqs = freqs.half()
+    elif bad == "freqs_tokens":
+        freqs = comfy_rope(5, 32)
+    elif bad == "odd_head_dim":
+        head_dim = 21
+    elif bad == "weight_shape":
+        weight = torch.ones(32, dtype=torch.float16)
+    elif bad == "int_dtype":
+        x = x.to(torch.int32)
+    elif bad == "too_wide":
+        x = torch.randn(1, 4, nr.MAX_CHANNELS * 2, dtype=torch.float16)
+        weight = None
+    with pytest.raises(nr.NormRopeInputError, match=reason):
+        nr.rms_norm_rope(x, weight, freqs, 1e-6, head_dim)
+
+
+def comfy_layer_norm_modulate(x, shift, scale, eps, weight=None, bias=None):
+    """Wan's block: addcmul(e[0], norm(x), 1 + e[1]), each op in x's dtype with fp32 math."""
+    c = x.shape[-1]
+    norm = torch.nn.functional.layer_norm(x.float(), (c,), None if weight is None else weight.float(),
+                                          None if bias is None else bias.float(), eps).to(x.dtype)
+    one_plus = 1 + scale  # a separate op in the modulation's dtype (CPU bf16 adds in fp32, rounds once)
+    return torch.addcmul(shift.float(), norm.float(), one_plus.float()).to(x.dtype)
+
+
+# (name, batch, tokens, channels): Wan 1.3B / 14B, Flux / HunyuanVideo 3072, and odd sizes.
+LN_SHAPES = [("wan_1.3b", 1, 9, 1536), ("wan_14b", 1, 5, 5120), ("flux", 1, 6, 3072), ("odd", 2, 13, 200)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,batch,tokens,channels", LN_SHAPES, ids=[s[0] for s in LN_SHAPES])
+def test_layer_norm_modulate_matches_comfyui(dtype, name, batch, tokens, channels):
+    x = activations(batch, tokens, channels, dtype)
+    e = (torch.randn(batch, 6, channels, generator=torch.Generator().manual_seed(2)) * 0.4).to(dtype).chunk(6, dim=1)
+    out = lnm.layer_norm_modulate(x, e[0], e[1], 1e-6)
+    check(out, lnm.layer_norm_modulate_ref(x, e[0], e[1], 1e-6), dtype)
+    check(out, comfy_layer_norm_modulate(x, e[0], e[1], 1e-6), dtype)
+
+
+@pytest.mark.parametrize("case", ["affine", "broadcast_batch", "two_dim_modulation", "strided_rows", "constant_row",
+                                  "two_dims"])
+def test_layer_norm_modulate_edge_cases(case):
+    dtype, batch, tokens, channels = torch.bfloat16, 2, 7, 96
+    x = activations(batch, tokens, channels, dtype, seed=5)
+    e = (torch.randn(batch, 6, channels) * 0.4).to(dtype).chunk(6, dim=1)
+    shift, scale, weight, bias = e[0], e[1], None, None
+    if case == "affine":
+        weight, bias = (torch.rand(channels) + 0.5).to(dtype), torch.randn(channels).to(dtype)
+    elif case == "broadcast_batch":  # one modulation for both batch elements
+        shift, scale = shift[:1], scale[:1]
+    elif case == "two_dim_modulation":
+        shift, scale = shift[:, 0], scale[:, 0]
+    elif case == "strided_rows":
+        x = torch.cat([x, x], dim=-1)[..., :channels]
+    elif case == "constant_row":  # variance 0: the normalised row is 0, the output is the shift
+        x[0, 1] = 3.0
+    if case == "two_dims":
+        out = lnm.layer_norm_modulate(x[0], shift[:1], scale[:1], 1e-6)
+        ref = comfy_layer_norm_modulate(x[0], shift[0], scale[0], 1e-6)
+    else:
+        out = lnm.layer_norm_modulate(x, shift, scale, 1e-6, weight, bias)
+        s3 = shift if shift.dim() == 3 else shift[:, None]
+        c3 = scale if scale.dim() == 3 else scale[:, None]
+        ref = comfy_layer_norm_modulate(x, s3, c3, 1e-6, weight, bias)
+    check(out, ref, dtype)
+    if case == "constant_row":
+        assert torch.equal(out[0, 1], shift[0, 0])
+
+
+@pytest.mark.parametrize("bad,reason", [
+    ("per_token", "one vector per batch"), ("dtype_mix", "must be"), ("half_affine", "both weight and bias"),
+    ("wrong_channels", "one vector per batch")])
+def test_layer_norm_modulate_refuses_with_reason(bad, reason):
+    x = torch.randn(2, 4, 32, dtype=torch.bfloat16)
+    shift = scale = torch.zeros(2, 1, 32, dtype=torch.bfloat16)
+    weight = bias = None
+    if bad == "per_token":  # Wan 2.2's per-frame modulation: not this kernel's layout
+        shift = torch.zeros(2, 4, 32, dtype=torch.bfloat16)
+    elif bad == "dtype_mix":
+        scale = torch.zeros(2, 1, 32)
+    elif bad == "half_affine":
+        weight = torch.ones(32, dtype=torch.bfloat16)
+    elif bad == "wrong_channels":
+        shift = torch.zeros(2, 1, 16, dtype=torch.bfloat16)
+    with pytest.raises(lnm.LayerNormModulateInputError, match=reason):
+        lnm.layer_norm_modulate(x, shift, scale, 1e-6, weight, bias)
+
+
+def test_ops_trace_with_fake_tensors():
+    # torch.compile and ComfyUI's TorchCompileModel see the custom ops through their fakes.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert nr._REGISTRATION_ERROR is None and lnm._REGISTRATION_ERROR is None
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(1, 4, 64, dtype=torch.bfloat16))
+        w = mode.from_tensor(torch.ones(64, dtype=torch.bfloat16))
+        f = mode.from_tensor(comfy_rope(4, 32))
+        s = mode.from_tensor(torch.zeros(1, 1, 64, dtype=torch.bfloat16))
+        out = torch.ops.triton_accel.rms_norm_rope(x, w, f, 1e-6, 32)
+        out2 = torch.ops.triton_accel.layer_norm_modulate(x, s, s, 1e-6, None, None)
+    assert out.shape == out2.shape == (1, 4, 64) and out.dtype == out2.dtype == torch.bfloat16
+
+
+def test_ops_run_under_torch_compile():
+    x = activations(1, 5, 64, torch.float16)
+    freqs = comfy_rope(5, 32)
+    e = (torch.randn(1, 6, 64) * 0.3).half().chunk(6, dim=1)
+
+    def block(x):
+        return nr.rms_norm_rope(lnm.layer_norm_modulate(x, e[0], e[1], 1e-6), None, freqs, 1e-6, 32)
+
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), block(x))

@@ -1,0 +1,278 @@
+"""nodes/patch_fused_norms.py without ComfyUI: which blocks it patches, which calls it serves,
+its first-call guard, torch.compile tracing and MultiGPU clones.
+
+The Wan classes below restate, for these tests only, the structure and math the patch relies on
+(a block with modulation, LayerNorms without affine, a self-attention with RMSNorm q/k and
+RoPE); the real ComfyUI classes are exercised by tests/integration/test_fused_norms.py (0.29.0
+and 0.3.64). Their forward globals provide what ComfyUI's module does: `comfy.model_management
+.cast_to` and `optimized_attention`.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from triton_accel.nodes import call_stats
+from triton_accel.nodes import patch_fused_norms as pfn
+
+C, HEADS, HEAD_DIM, TOKENS = 64, 2, 32, 6
+
+
+def _cast_to(t, dtype=None, device=None):
+    return t.to(dtype=dtype, device=device)
+
+
+comfy = types.SimpleNamespace(model_management=types.SimpleNamespace(cast_to=_cast_to))
+
+
+def optimized_attention(q, k, v, heads, transformer_options=None):
+    b, s, _ = q.shape
+    q, k, v = (t.view(b, s, heads, -1).transpose(1, 2) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def rope(x, freqs):
+    x_ = x.to(freqs.dtype).reshape(*x.shape[:-1], -1, 1, 2)
+    return (freqs[..., 0] * x_[..., 0] + freqs[..., 1] * x_[..., 1]).reshape(*x.shape).type_as(x)
+
+
+class WanSelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.head_dim = HEADS, HEAD_DIM
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(C, C) for _ in range(4))
+        self.norm_q, self.norm_k = torch.nn.RMSNorm(C, eps=1e-6), torch.nn.RMSNorm(C, eps=1e-6)
+        with torch.no_grad():
+            self.norm_q.weight.uniform_(0.5, 1.5)
+            self.norm_k.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x, freqs, transformer_options={}):
+        b, s, n, d = *x.shape[:2], self.num_heads, self.head_dim
+        q = rope(self.norm_q(self.q(x)).view(b, s, n, d), freqs)
+        k = rope(self.norm_k(self.k(x)).view(b, s, n, d), freqs)
+        return self.o(optimized_attention(q.view(b, s, -1), k.view(b, s, -1), self.v(x), heads=n))
+
+
+class CrossAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(C, C)
+
+    def forward(self, x, context, context_img_len=None, transformer_options={}):
+        return self.q(x) * 0.1 + context.mean(dim=1, keepdim=True)
+
+
+class WanAttentionBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dim = C
+        self.norm1 = torch.nn.LayerNorm(C, 1e-6, elementwise_affine=False)
+        self.norm2 = torch.nn.LayerNorm(C, 1e-6, elementwise_affine=False)
+        self.norm3 = torch.nn.LayerNorm(C, 1e-6)
+        self.self_attn = WanSelfAttention()
+        self.cross_attn = CrossAttention()
+        self.ffn = torch.nn.Sequential(torch.nn.Linear(C, 2 * C), torch.nn.GELU(approximate="tanh"),
+                                       torch.nn.Linear(2 * C, C))
+        self.modulation = torch.nn.Parameter(torch.randn(1, 6, C) / C ** 0.5)
+
+    def forward(self, x, e, freqs, context, context_img_len=257, transformer_options={}):
+        if e.ndim < 4:
+            e = (comfy.model_management.cast_to(self.modulation, dtype=x.dtype, device=x.device) + e).chunk(6, dim=1)
+        else:
+            e = (comfy.model_management.cast_to(self.modulation, dtype=x.dtype, device=x.device).unsqueeze(0)
+                 + e).unbind(2)
+        y = self.self_attn(torch.addcmul(e[0], self.norm1(x), 1 + e[1]), freqs, transformer_options=transformer_options)
+        x = torch.addcmul(x, y, e[2])
+        x = x + self.cross_attn(self.norm3(x), context, context_img_len=context_img_len,
+                                transformer_options=transformer_options)
+        y = self.ffn(torch.addcmul(e[3], self.norm2(x), 1 + e[4]))
+        return torch.addcmul(x, y, e[5])
+
+
+for _cls in (WanSelfAttention, WanAttentionBlock):
+    _cls.__module__ = pfn.WAN_MODULE
+
+
+class VaceBlock(WanAttentionBlock):  # a subclass with its own forward (VACE): never patched
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+VaceBlock.__module__ = pfn.WAN_MODULE
+
+
+class Diffusion(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+
+class FakePatcher:
+    """What the patch uses of ComfyUI's ModelPatcher: object patches by key, get_model_object
+    returning the patch (or the model's own attribute), callbacks by key."""
+
+    def __init__(self, diffusion_model):
+        self.model = types.SimpleNamespace(diffusion_model=diffusion_model)
+        self.object_patches = {}
+        self.callbacks = {}
+
+    def get_model_object(self, key):
+        if key in self.object_patches:
+            return self.object_patches[key]
+        obj = self.model
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def add_object_patch(self, key, obj):
+        self.object_patches[key] = obj
+
+    def add_callback_with_key(self, call_type, key, callback):
+        self.callbacks.setdefault(call_type, {}).setdefault(key, []).append(callback)
+
+
+def freqs_for(tokens=TOKENS):
+    angles = torch.rand(1, tokens, 1, HEAD_DIM // 2) * 6
+    return torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], -1).reshape(
+        1, tokens, 1, HEAD_DIM // 2, 2, 2)
+
+
+def block_call(batch=1, e_dims=4, dtype=torch.float32):
+    torch.manual_seed(0)
+    x = torch.randn(batch, TOKENS, C, dtype=dtype) * 2
+    e = torch.randn(batch, 1, 6, C, dtype=dtype) * 0.3 if e_dims == 4 else torch.randn(batch, 6, C, dtype=dtype) * 0.3
+    return dict(x=x, e=e, freqs=freqs_for(), context=torch.randn(batch, 5, C, dtype=dtype), context_img_len=None,
+                transformer_options={})
+
+
+@pytest.fixture(autouse=True)
+def _stats():
+    call_stats.reset()
+    yield
+
+
+def _patched(blocks=None):
+    torch.manual_seed(1)
+    blocks = blocks if blocks is not None else [WanAttentionBlock(), WanAttentionBlock()]
+    patcher = FakePatcher(Diffusion(blocks))
+    assert pfn.patch_fused_norms(patcher, "Wan #test") == sum(pfn.fusable_block(b) is None for b in blocks)
+    return patcher, blocks
+
+
+def _norms():
+    return call_stats.snapshot()["kinds"].get("norms", {"served": 0, "handed_back": 0, "reasons": {}})
+
+
+@pytest.mark.parametrize("e_dims", [3, 4], ids=["comfyui_0.3_e", "comfyui_0.4_e"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fused_block_matches_the_original_and_is_served(e_dims, batch):
+    patcher, blocks = _patched()
+    patch = patcher.object_patches["diffusion_model.blocks.0.forward"]
+    call = block_call(batch, e_dims)
+    ref = blocks[0].forward(**call)
+    first = patch(**call)  # the guard: ComfyUI's output, ours compared with it
+    second = patch(**call)
+    assert torch.equal(first, ref)
+    assert ((second - ref).norm() / ref.norm()).item() < 1e-5
+    assert _norms()["served"] == 2 and _norms()["handed_back"] == 0, _norms()
+    assert patch.guarded == {"cpu"} and not patch.fallbacks
+
+
+def test_guard_sends_a_block_that_disagrees_back_for_good():
+    patcher, blocks = _patched()
+    patch = patcher.object_patches["diffusion_model.blocks.0.forward"]
+    original = patch.previous
+    patch.previous = lambda *a, **k: original(*a, **k) * 1.05  # "ComfyUI's block" computes something else
+    call = block_call()
+    first = patch(**call)
+    assert torch.equal(first, original(**call) * 1.05)
+    assert "cpu" in patch.fallbacks and "rel. L2" in patch.fallbacks["cpu"]
+    patch(**call)
+    assert _norms()["served"] == 0 and _norms()["reasons"] == {pfn.REASON_FALLBACK: 2}, _norms()
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("per_frame_e", "per-frame"), ("e_dtype", "modulation in"), ("attn1_patch", "attn1/attn2"),
+    ("freqs_tokens", "do not match"), ("x_width", "is not [B, L")])
+def test_calls_it_cannot_serve_go_to_comfyui(case, reason):
+    patcher, blocks = _patched()
+    patch = patcher.object_patches["diffusion_model.blocks.0.forward"]
+    call = block_call()
+    if case == "per_frame_e":
+        call["e"] = torch.randn(1, TOKENS, 6, C) * 0.3  # one modulation per token (frame)
+    elif case == "e_dtype":
+        call["e"] = call["e"].double()
+    elif case == "attn1_patch":
+        call["transformer_options"] = {"patches": {"attn1_patch": [lambda a: a["x"]]}}
+    elif case == "freqs_tokens":
+        call["freqs"] = freqs_for(TOKENS + 1)
+    elif case == "x_width":
+        call["x"] = torch.randn(1, TOKENS, C + 2)
+    if case in ("per_frame_e", "attn1_patch"):
+        assert torch.equal(patch(**call), blocks[0].forward(**call))
+    else:
+        with pytest.raises(Exception):  # ComfyUI's own forward fails on these too: it was called
+            patch(**call)
+    norms = _norms()
+    assert norms["served"] == 0 and norms["handed_back"] == 1, norms
+    assert reason in next(iter(norms["reasons"])), norms
+
+
+def test_traced_calls_are_comfyuis_forward(monkeypatch):
+    patcher, blocks = _patched()
+    patch = patcher.object_patches["diffusion_model.blocks.0.forward"]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    call = block_call()
+    assert torch.equal(patch(**call), blocks[0].forward(**call))
+    assert _norms()["served"] == _norms()["handed_back"] == 0
+
+
+def test_only_blocks_it_knows_are_patched():
+    affine = WanAttentionBlock()
+    affine.norm1 = torch.nn.LayerNorm(C, 1e-6)
+    identity_qk = WanAttentionBlock()
+    identity_qk.self_attn.norm_q = torch.nn.Identity()
+    blocks = [WanAttentionBlock(), VaceBlock(), affine, identity_qk]
+    assert "not ComfyUI's WanAttentionBlock" in pfn.fusable_block(blocks[1])
+    assert "norm1" in pfn.fusable_block(affine)
+    assert "norm_q" in pfn.fusable_block(identity_qk)
+    patcher, _ = _patched(blocks)
+    assert list(patcher.object_patches) == ["diffusion_model.blocks.0.forward"]
+
+
+def test_patching_again_or_over_another_nodes_patch_changes_nothing():
+    patcher, blocks = _patched()
+    before = dict(patcher.object_patches)
+    assert pfn.patch_fused_norms(patcher, "again") == 0
+    assert patcher.object_patches == before
+    other = FakePatcher(Diffusion([WanAttentionBlock()]))
+    foreign = lambda *a, **k: None  # noqa: E731 - another node's block patch
+    other.add_object_patch("diffusion_model.blocks.0.forward", foreign)
+    assert pfn.patch_fused_norms(other, "other") == 0
+    assert other.object_patches["diffusion_model.blocks.0.forward"] is foreign
+
+
+def test_multigpu_clone_gets_its_own_blocks():
+    patcher, blocks = _patched()
+    assert pfn.CALLBACK_KEY in patcher.callbacks["on_deepclone_multigpu"]
+    clone_blocks = [WanAttentionBlock(), WanAttentionBlock()]
+    clone = FakePatcher(Diffusion(clone_blocks))
+    clone.object_patches = dict(patcher.object_patches)
+    pfn.on_multigpu_clone(patcher, clone)
+    patch = clone.object_patches["diffusion_model.blocks.1.forward"]
+    assert patch.module is clone_blocks[1] and patch.previous.__self__ is clone_blocks[1]
+    assert patch.guarded == set() and patch.label == "Wan #test"
+    call = block_call()
+    assert torch.equal(patch(**call), clone_blocks[1].forward(**call))
+
+
+def test_enabled_reads_the_setting(monkeypatch):
+    monkeypatch.delenv("TRITON_ACCEL_FUSED_NORMS", raising=False)
+    assert not pfn.enabled()
+    monkeypatch.setenv("TRITON_ACCEL_FUSED_NORMS", "1")
+    assert pfn.enabled()
+    monkeypatch.setenv("TRITON_ACCEL_FUSED_NORMS", "off")
+    assert not pfn.enabled()
