@@ -1,9 +1,11 @@
-"""The fused-norm kernels on a GPU, beside what ComfyUI runs for the same work (Wan 2.1 shapes):
+"""The fused-norm kernels on a GPU, beside what ComfyUI runs for the same work (Wan 2.1 and Flux
+shapes):
 
 - layer_norm_modulate vs torch's LayerNorm then addcmul(shift, norm, 1 + scale) (Wan's block);
 - rms_norm_rope vs torch's rms_norm then RoPE: comfy-kitchen's apply_rope1 where it is
   importable (what ComfyUI 0.29 runs with comfy-kitchen's CUDA backend), and ComfyUI's eager
-  _apply_rope1 written out in torch (what it runs without).
+  _apply_rope1 written out in torch (what it runs without);
+- qk_rms_norm vs torch's rms_norm on Flux's permuted q and k views (copy + norm, twice).
 
     python benchmarks/fused_norms_bench.py [--out DIR] [--shapes wan14b,wan1.3b]
 
@@ -29,9 +31,11 @@ from _load import load_pack  # noqa: E402
 pack = load_pack()
 lnm = importlib.import_module(pack.__name__ + ".kernels.layer_norm_modulate")
 nr = importlib.import_module(pack.__name__ + ".kernels.norm_rope")
+qkn = importlib.import_module(pack.__name__ + ".kernels.qk_norm")
 
-# name -> (tokens, heads, head_dim): Wan 2.1 14B at 480p x 81 frames, 1.3B at the same size.
-SHAPES = {"wan14b": (32760, 40, 128), "wan1.3b": (32760, 12, 128)}
+# name -> (tokens, heads, head_dim): Wan 2.1 14B at 480p x 81 frames, 1.3B at the same size;
+# Flux at 1024x1024 (4096 image tokens; the QK norm alone: Flux's blocks are not Wan's).
+SHAPES = {"wan14b": (32760, 40, 128), "wan1.3b": (32760, 12, 128), "flux": (4096, 24, 128)}
 
 
 def comfy_freqs(tokens: int, head_dim: int, device) -> torch.Tensor:
@@ -83,6 +87,27 @@ def run_shape(name, tokens, heads, head_dim, device, bench):
             entry.update(compare(fn(), reference))
         rows.append(entry)
         return entry
+
+    # Flux's QKNorm: q and k as permuted views of the qkv Linear's output, each normalised per
+    # head by torch's rms_norm (which copies the strided view first) or by ours in one launch.
+    qkv = torch.randn(1, tokens, 3 * c, device=device, generator=g).to(torch.bfloat16)
+    q, k, _v = qkv.view(1, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+    wq, wk = weight[:head_dim], weight[head_dim:2 * head_dim]
+    qk_moved = 4 * q.numel() * q.element_size()
+
+    def torch_qk():
+        return (torch.nn.functional.rms_norm(q, (head_dim,), wq), torch.nn.functional.rms_norm(k, (head_dim,), wk))
+
+    ref_q, _ = torch_qk()
+    for variant, fn in (("torch rms_norm x2 (ComfyUI)", torch_qk),
+                        ("ours fused", lambda: qkn.qk_rms_norm(q, k, wq, wk, torch.finfo(torch.float32).eps))):
+        ms = bench(fn)
+        entry = dict(shape=name, op="qk_norm (Flux)", variant=variant, ms=ms, gb_s=qk_moved / ms / 1e6)
+        if variant.startswith("ours"):
+            entry.update(compare(fn()[0], ref_q))
+        rows.append(entry)
+    if name == "flux":
+        return rows
 
     def torch_ln_mod():
         return torch.addcmul(e[0], torch.nn.functional.layer_norm(x, (c,), eps=1e-6), 1 + e[1])

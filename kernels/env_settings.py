@@ -63,10 +63,11 @@ SETTINGS = (
             "on the tensor cores). lean and lean_rowsum are compile-checked, not yet timed on a GPU: "
             "they exist for side-by-side benchmarks. Any other value means default."),
     Setting(FUSED_NORMS, "off",
-            "Patch nodes that put our attention into a Wan model also fuse each attention block's "
-            "LayerNorm + modulation and q/k RMSNorm + RoPE into one pass each (the first call of "
-            "each block is checked against ComfyUI's). Checked on the CPU, not yet timed on a GPU: "
-            "off until it is. On (any other value): fused."),
+            "Patch nodes that put our attention into a model also fuse its norms: Wan blocks' "
+            "LayerNorm + modulation and q/k RMSNorm + RoPE, and the per-head q/k RMSNorm of every "
+            "QKNorm in ComfyUI's Flux layers, one pass each (the first call of each is checked "
+            "against ComfyUI's). Checked on the CPU, not yet timed on a GPU: off until it is. On "
+            "(any other value): fused."),
 )
 
 

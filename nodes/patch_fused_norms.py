@@ -1,5 +1,8 @@
-"""Fused norms for Wan's attention blocks: the elementwise work around attention and the MLP
-in one pass each, through kernels/layer_norm_modulate.py and kernels/norm_rope.py.
+"""Fused norms: the elementwise work around attention and the MLP in one pass each, through
+kernels/layer_norm_modulate.py, kernels/norm_rope.py (Wan's attention blocks) and
+kernels/qk_norm.py (the QKNorm of every model built from comfy/ldm/flux/layers.py: Flux,
+Chroma, HunyuanVideo...: q and k normalised per head in one launch, read through the permuted
+views ComfyUI hands it, instead of a copy and an RMSNorm each).
 
 What it replaces, per WanAttentionBlock call (comfy/ldm/wan/model.py), everything else staying
 ComfyUI's own modules (Linear layers, attention, cross-attention, FFN, so our Linear and
@@ -43,12 +46,16 @@ from ..kernels.layer_norm_modulate import LayerNormModulateInputError, layer_nor
 from ..kernels.layer_norm_modulate import refusal as layer_norm_modulate_refusal
 from ..kernels.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
 from ..kernels.norm_rope import refusal as norm_rope_refusal
+from ..kernels.qk_norm import QKNormInputError, qk_rms_norm
+from ..kernels.qk_norm import refusal as qk_norm_refusal
 from . import call_stats
 
 log = logging.getLogger("triton_accel.nodes.patch_fused_norms")  # not __name__: the clone's folder name
 
 KIND = "norms"
 PATH = "fused_norms"
+PATH_QK = "fused_qk_norm"
+FLUX_MODULE = "comfy.ldm.flux.layers"
 CALLBACK_KEY = "triton_accel_fused_norms"
 # The fused passes reproduce ComfyUI's roundings; what is left is the order of fp32 sums and
 # rsqrt's last bits (a bf16 ulp on a few values). A block differing by more is not the block
@@ -229,10 +236,122 @@ def _self_attention(attn, x: torch.Tensor, freqs: torch.Tensor, transformer_opti
     return attn.o(out)
 
 
-def _is_own_forward(module: torch.nn.Module, class_name: str) -> bool:
+def _is_own_forward(module: torch.nn.Module, class_name: str, module_name: str = WAN_MODULE) -> bool:
     cls = type(module)
-    return (cls.__name__ == class_name and cls.__module__ == WAN_MODULE
+    return (cls.__name__ == class_name and cls.__module__ == module_name
             and getattr(cls.forward, "__qualname__", "") == f"{class_name}.forward")
+
+
+# ---- Flux's QKNorm (comfy/ldm/flux/layers.py: Flux, Chroma, HunyuanVideo...) -------------------
+
+class FusedQKNorm:
+    """The object patch of one QKNorm's forward(q, k, v): both per-head RMSNorms in one
+    kernel (kernels/qk_norm.py) reading the permuted q / k views as they are; shared by
+    clones, never copied. Guarded like FusedWanBlock."""
+
+    def __init__(self, label: str, name: str, module: torch.nn.Module, previous):
+        self.label = label
+        self.name = name
+        self.module = module
+        self.previous = previous
+        self.guarded: set[str] = set()
+        self.fallbacks: dict[str, str] = {}
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.previous(*args, **kwargs)
+        if len(args) != 3 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
+            return self._original(args, kwargs, "arguments other than QKNorm's (q, k, v)")
+        q, k, v = args
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return self._original(args, kwargs, "autograd records this call")
+        reason = qk_norm_refusal(q.device)
+        if reason is not None:
+            return self._original(args, kwargs, reason)
+        device = str(q.device)
+        if device in self.fallbacks:
+            return self._original(args, kwargs, REASON_FALLBACK)
+        if device not in self.guarded:
+            reference = self.previous(q, k, v)
+            try:
+                ours = self._fused(q, k, v)
+                failure = _guard_failure(ours[0], reference[0]) or _guard_failure(ours[1], reference[1])
+            except QKNormInputError as e:
+                return self._counted_reference(reference, e.reason)
+            except Exception as e:  # a kernel that fails here fails for good on this device
+                failure = f"kernel error: {type(e).__name__}: {e}"
+            if failure is not None:
+                self.fallbacks[device] = failure
+                log.warning("Triton Accel fused norms: %s QKNorm %s goes to ComfyUI's on %s: %s", self.label,
+                            self.name, device, failure)
+                return self._counted_reference(reference, REASON_FALLBACK)
+            self.guarded.add(device)
+            call_stats.record(call_stats.OUTCOME_SERVED, path=PATH_QK, kind=KIND, model=self.label)
+            return reference
+        try:
+            out = self._fused(q, k, v)
+        except QKNormInputError as e:
+            return self._original(args, kwargs, e.reason)
+        call_stats.record(call_stats.OUTCOME_SERVED, path=PATH_QK, kind=KIND, model=self.label)
+        return out
+
+    def _original(self, args, kwargs, reason: str):
+        call_stats.record(call_stats.OUTCOME_HANDED_BACK, reason, kind=KIND, model=self.label)
+        return self.previous(*args, **kwargs)
+
+    def _counted_reference(self, reference, reason: str):
+        call_stats.record(call_stats.OUTCOME_HANDED_BACK, reason, kind=KIND, model=self.label)
+        return reference
+
+    def _fused(self, q, k, v):
+        (wq, eps_q, release_q), (wk, eps_k, release_k) = (_qk_weight(self.module.query_norm, q),
+                                                          _qk_weight(self.module.key_norm, k))
+        try:
+            if eps_q != eps_k:
+                raise QKNormInputError("q and k norms with different eps")
+            qo, ko = qk_rms_norm(q, k, wq, wk, eps_q)
+        finally:
+            for release in (release_q, release_k):
+                if release is not None:
+                    release()
+        return qo.to(v), ko.to(v)
+
+
+def _qk_weight(norm, x: torch.Tensor):
+    """(weight in x's dtype on x's device, eps, release) as the norm's own forward gets them:
+    ComfyUI 0.4+ builds QKNorm from comfy.ops' RMSNorm (a torch RMSNorm: its eps, or fp32's
+    machine epsilon when None, as torch's rms_norm does); 0.3.x from flux.layers'
+    RMSNorm (a `scale` parameter, eps 1e-6, cast to x by model_management.cast_to)."""
+    if isinstance(norm, torch.nn.RMSNorm):
+        weight, release = _norm_weight(norm, x)
+        if weight is None:
+            raise QKNormInputError("QKNorm without a weight")
+        # torch's rms_norm takes eps None as the epsilon of its fp32 opmath type, for 16-bit
+        # inputs too (checked against torch 2.13's CPU kernel: bf16's own would move 8 % of values)
+        eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+        return weight, eps, release
+    scale = getattr(norm, "scale", None)
+    if type(norm).__name__ == "RMSNorm" and type(norm).__module__ == FLUX_MODULE and isinstance(scale, torch.Tensor):
+        return scale.to(device=x.device, dtype=x.dtype), 1e-6, None
+    raise QKNormInputError(f"unknown QKNorm norm {type(norm).__name__}")
+
+
+def fusable_qk_norm(module: torch.nn.Module) -> str | None:
+    """Why `module` is not a QKNorm this patch knows (None: it is)."""
+    if not _is_own_forward(module, "QKNorm", FLUX_MODULE):
+        return f"{type(module).__name__} is not ComfyUI's flux QKNorm"
+    for name in ("query_norm", "key_norm"):
+        norm = getattr(module, name, None)
+        if isinstance(norm, torch.nn.RMSNorm):
+            if getattr(norm, "weight", None) is None:
+                return f"{name} has no weight"
+        elif not (type(norm).__name__ == "RMSNorm" and type(norm).__module__ == FLUX_MODULE
+                  and _is_own_forward(norm, "RMSNorm", FLUX_MODULE)):
+            return f"{name} is not an RMSNorm"
+    return None
 
 
 def fusable_block(block: torch.nn.Module) -> str | None:
@@ -265,11 +384,11 @@ def patch_fused_norms(patched, label: str) -> int:
     """Put FusedWanBlock object patches on every fusable block of `patched` (a ModelPatcher
     clone, changed in place); returns how many. Blocks already patched are left as they are."""
     diffusion_model = getattr(getattr(patched, "model", None), "diffusion_model", None)
-    blocks = getattr(diffusion_model, "blocks", None)
-    if not isinstance(blocks, torch.nn.ModuleList):
+    if not isinstance(diffusion_model, torch.nn.Module):
         return 0
-    count = 0
-    for i, block in enumerate(blocks):
+    count = _patch_qk_norms(patched, diffusion_model, label)
+    blocks = getattr(diffusion_model, "blocks", None)
+    for i, block in enumerate(blocks if isinstance(blocks, torch.nn.ModuleList) else ()):
         if fusable_block(block) is not None:
             continue
         key = f"diffusion_model.blocks.{i}.forward"
@@ -282,7 +401,21 @@ def patch_fused_norms(patched, label: str) -> int:
         count += 1
     if count:
         _add_multigpu_callbacks(patched)
-        log.info("Triton Accel fused norms (%s): %d Wan attention blocks patched", label, count)
+        log.info("Triton Accel fused norms (%s): %d Wan attention blocks / QKNorms patched", label, count)
+    return count
+
+
+def _patch_qk_norms(patched, diffusion_model: torch.nn.Module, label: str) -> int:
+    count = 0
+    for name, module in diffusion_model.named_modules():
+        if not name or fusable_qk_norm(module) is not None:
+            continue
+        key = f"diffusion_model.{name}.forward"
+        previous = patched.get_model_object(key)
+        if not (isinstance(previous, types.MethodType) and previous.__self__ is module):
+            continue  # ours already, or another node's patch: left alone
+        patched.add_object_patch(key, FusedQKNorm(label, name, module, previous))
+        count += 1
     return count
 
 
@@ -308,19 +441,20 @@ def on_multigpu_clone(source, clone) -> None:
     each at the clone's own block (and its own forward), with a guard of its own."""
     diffusion_model = getattr(getattr(clone, "model", None), "diffusion_model", None)
     for key, value in list(clone.object_patches.items()):
-        if not isinstance(value, FusedWanBlock):
+        if not isinstance(value, (FusedWanBlock, FusedQKNorm)):
             continue
         try:
-            block = diffusion_model.get_submodule(value.name)
+            module = diffusion_model.get_submodule(value.name)
         except AttributeError:
-            block = None
-        if block is value.module:
+            module = None
+        if module is value.module:
             continue
-        if block is None or fusable_block(block) is not None:
+        fusable = fusable_block if isinstance(value, FusedWanBlock) else fusable_qk_norm
+        if module is None or fusable(module) is not None:
             del clone.object_patches[key]
             continue
-        clone.object_patches[key] = FusedWanBlock(value.label, value.name, block,
-                                                  types.MethodType(type(block).forward, block))
+        clone.object_patches[key] = type(value)(value.label, value.name, module,
+                                                types.MethodType(type(module).forward, module))
 
 
 def _guard_failure(ours: torch.Tensor, reference: torch.Tensor) -> str | None:

@@ -1,6 +1,6 @@
-"""The fused-norm kernels (kernels/norm_rope.py, kernels/layer_norm_modulate.py) compile for every
-GPU target with the code their speed depends on, without a GPU: triton.compile(ASTSource(...))
-of each file's compile_specs() at Wan 14B's row width (5120 channels).
+"""The fused-norm kernels (kernels/norm_rope.py, layer_norm_modulate.py, qk_norm.py) compile for
+every GPU target with the code their speed depends on, without a GPU: triton.compile(ASTSource(...))
+of each file's compile_specs() at Wan 14B's row width (5120 channels) and Flux's head dim (128).
 
 Pinned in the PTX of every NVIDIA target:
 - the row is read and written in 16-byte vectors (ld/st.global.v4): these kernels are one
@@ -27,8 +27,9 @@ AMD = {"gfx942": ("gfx942", 64), "gfx1100": ("gfx1100", 32)}
 # (module, compile_specs kwargs): Turing runs fp16 (no bf16 there), the rest bf16; the affine
 # LayerNorm once.
 CASES = [("norm_rope", {"dtype": "bf16"}), ("layer_norm_modulate", {"dtype": "bf16"}),
-         ("layer_norm_modulate", {"dtype": "bf16", "affine": True})]
-TURING_CASES = [("norm_rope", {"dtype": "fp16"}), ("layer_norm_modulate", {"dtype": "fp16"})]
+         ("qk_norm", {"dtype": "bf16"}), ("layer_norm_modulate", {"dtype": "bf16", "affine": True})]
+TURING_CASES = [("norm_rope", {"dtype": "fp16"}), ("layer_norm_modulate", {"dtype": "fp16"}),
+                ("qk_norm", {"dtype": "fp16"})]
 
 WORKER = r"""
 import importlib, importlib.util, json, os, sys
@@ -78,7 +79,7 @@ def _jobs():
         for module, kwargs in (TURING_CASES if cc == 75 else CASES):
             jobs.append((target, "cuda", cc, 32, module, kwargs))
     for target, (arch, warp) in AMD.items():
-        for module, kwargs in CASES[:2]:
+        for module, kwargs in CASES[:3]:
             jobs.append((target, "hip", arch, warp, module, kwargs))
     return jobs
 

@@ -8,6 +8,8 @@ LayerNorm / RMSNorm only in the order of their fp32 row sums (~1e-7 per value), 
 attention error moves this latent by 2.4e-3 (test_attention_patch.py's calibration).
 """
 
+import pytest
+
 from it_workflows import linear_patch, read_latent, rel_l2, sampling_workflow
 
 FAMILY = "wan21"
@@ -86,3 +88,24 @@ def test_attention_off_patches_no_block(comfy):
     latent, stats = _sample(comfy, [fused(attention="off")], "off")
     assert _kind(stats, "norms")["served"] == _kind(stats, "norms")["handed_back"] == 0
     assert rel_l2(latent, ref) < EXACT_TOL
+
+
+@pytest.mark.parametrize("family", ["flux", "hunyuan_video"])
+def test_flux_qk_norms_fused(comfy, family):
+    """Every QKNorm of comfy/ldm/flux/layers.py (Flux's and HunyuanVideo's double and single
+    blocks) served by the one-launch QK norm, the latent unchanged within fp32 sum order."""
+    def sample(chain, tag):
+        prompt, save, _ = sampling_workflow(family, model_chain=chain, tag=tag, models=comfy.models)
+        comfy.reset_stats()
+        entry = comfy.run(prompt)
+        return read_latent(comfy, entry, save), comfy.stats()
+
+    plain, _ = sample([("TritonAccelPatchAttention", {"settings": ("settings", {"mode": "fp16"})})], "plain")
+    latent, stats = sample([fused()], "fused")
+    norms = _kind(stats, "norms")
+    err = rel_l2(latent, plain)
+    print(f"\n[{family}] fused QK norms vs unfused: rel L2 {err:.3e}; norms {norms}")
+    assert norms["served"] > 0 and norms["handed_back"] == 0, norms
+    assert list(norms["paths"]) == ["fused_qk_norm"], norms
+    assert norms["served"] % STEPS_BLOCK_CALLS == 0, norms  # every QKNorm, every step
+    assert err < FUSED_TOL, err

@@ -222,3 +222,50 @@ def test_ops_run_under_torch_compile():
 
     compiled = torch.compile(block, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), block(x))
+
+
+# ---- kernels/qk_norm.py: Flux's QKNorm on the permuted views of one qkv tensor ----------------
+
+from triton_accel.kernels import qk_norm as qkn  # noqa: E402
+
+# (name, batch, tokens, heads, head_dim): Flux (24 x 128), HunyuanVideo's 24 x 128 at another
+# length, an odd small case and head dim 64 (Chroma Radiance's NeRF blocks: 64-wide heads).
+QK_SHAPES = [("flux", 1, 40, 24, 128), ("odd", 2, 13, 3, 80), ("d64", 1, 9, 4, 64)]
+
+
+def qkv_views(batch, tokens, heads, head_dim, dtype, seed=0):
+    """q, k, v as Flux's blocks make them: view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)."""
+    qkv = activations(batch, tokens, 3 * heads * head_dim, dtype, seed)
+    return qkv.view(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,batch,tokens,heads,head_dim", QK_SHAPES, ids=[s[0] for s in QK_SHAPES])
+def test_qk_rms_norm_matches_torch_on_permuted_views(dtype, name, batch, tokens, heads, head_dim):
+    q, k, _v = qkv_views(batch, tokens, heads, head_dim, dtype)
+    assert not q.is_contiguous()
+    g = torch.Generator().manual_seed(4)
+    wq, wk = ((torch.rand(head_dim, generator=g) + 0.5).to(dtype) for _ in range(2))
+    eps = torch.finfo(torch.float32).eps  # ComfyUI 0.4+'s QKNorm: torch's rms_norm with eps None
+    qo, ko = qkn.qk_rms_norm(q, k, wq, wk, eps)
+    rq, rk = qkn.qk_rms_norm_ref(q, k, wq, wk, eps)
+    assert qo.is_contiguous() and ko.is_contiguous()
+    check(qo, rq, dtype)
+    check(ko, rk, dtype)
+
+
+def test_qk_rms_norm_edge_cases():
+    dtype = torch.bfloat16
+    q, k, _v = qkv_views(1, 7, 2, 32, dtype, seed=6)
+    w = torch.ones(32, dtype=dtype)
+    q = q.clone()
+    q[0, 1, 3] = 0  # a zero head row: stays 0
+    qo, ko = qkn.qk_rms_norm(q, k.contiguous(), w, w, 1e-6)  # contiguous k beside a strided q
+    rq, rk = qkn.qk_rms_norm_ref(q, k, w, w, 1e-6)
+    check(qo, rq, dtype)
+    check(ko, rk, dtype)
+    assert (qo[0, 1, 3] == 0).all()
+    with pytest.raises(qkn.QKNormInputError, match="weight"):
+        qkn.qk_rms_norm(q, k, w.float(), w, 1e-6)
+    with pytest.raises(qkn.QKNormInputError, match="one shape"):
+        qkn.qk_rms_norm(q, k[:, :1], w, w, 1e-6)

@@ -276,3 +276,98 @@ def test_enabled_reads_the_setting(monkeypatch):
     assert pfn.enabled()
     monkeypatch.setenv("TRITON_ACCEL_FUSED_NORMS", "off")
     assert not pfn.enabled()
+
+
+# ---- Flux's QKNorm ------------------------------------------------------------------------------
+
+class FluxRMSNorm(torch.nn.Module):  # ComfyUI 0.3.x's flux.layers.RMSNorm: a `scale`, eps 1e-6
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.rand(dim) + 0.5)
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, self.scale.shape, self.scale.to(x.dtype), 1e-6)
+
+
+class QKNorm(torch.nn.Module):
+    def __init__(self, dim, flavour="torch"):
+        super().__init__()
+        make = (lambda: torch.nn.RMSNorm(dim)) if flavour == "torch" else (lambda: FluxRMSNorm(dim))
+        self.query_norm, self.key_norm = make(), make()
+        if flavour == "torch":  # ComfyUI 0.4+: comfy.ops' RMSNorm, eps None
+            with torch.no_grad():
+                self.query_norm.weight.uniform_(0.5, 1.5)
+                self.key_norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, q, k, v):
+        return self.query_norm(q).to(v), self.key_norm(k).to(v)
+
+
+for _cls in (FluxRMSNorm, QKNorm):
+    _cls.__module__ = pfn.FLUX_MODULE
+FluxRMSNorm.__name__ = FluxRMSNorm.__qualname__ = "RMSNorm"
+FluxRMSNorm.forward.__qualname__ = "RMSNorm.forward"
+
+
+class FluxLike(torch.nn.Module):
+    def __init__(self, flavour):
+        super().__init__()
+        self.double_blocks = torch.nn.ModuleList([torch.nn.Module()])
+        self.double_blocks[0].img_attn = torch.nn.Module()
+        self.double_blocks[0].img_attn.norm = QKNorm(HEAD_DIM, flavour)
+        self.single_blocks = torch.nn.ModuleList([torch.nn.Module()])
+        self.single_blocks[0].norm = QKNorm(HEAD_DIM, flavour)
+
+
+def qkv(batch=1, tokens=TOKENS, dtype=torch.float32):
+    torch.manual_seed(2)
+    x = torch.randn(batch, tokens, 3 * HEADS * HEAD_DIM, dtype=dtype) * 3
+    return x.view(batch, tokens, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+
+
+@pytest.mark.parametrize("flavour", ["torch", "flux_scale"], ids=["comfyui_0.4_rmsnorm", "comfyui_0.3_rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qk_norms_are_patched_served_and_match(flavour, dtype):
+    model = FluxLike(flavour).to(dtype)
+    patcher = FakePatcher(model)
+    assert pfn.patch_fused_norms(patcher, "Flux #test") == 2
+    assert set(patcher.object_patches) == {"diffusion_model.double_blocks.0.img_attn.norm.forward",
+                                           "diffusion_model.single_blocks.0.norm.forward"}
+    patch = patcher.object_patches["diffusion_model.single_blocks.0.norm.forward"]
+    q, k, v = qkv(dtype=dtype)
+    ref = patch.module.forward(q, k, v)
+    first, second = patch(q, k, v), patch(q, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(first, ref))
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    for a, b in zip(second, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
+    assert _norms()["paths"] == {pfn.PATH_QK: 2} and _norms()["handed_back"] == 0, _norms()
+
+
+def test_qk_norm_guard_and_hand_backs():
+    patcher = FakePatcher(FluxLike("torch"))
+    pfn.patch_fused_norms(patcher, "Flux #test")
+    patch = patcher.object_patches["diffusion_model.double_blocks.0.img_attn.norm.forward"]
+    q, k, v = qkv()
+    with pytest.raises(TypeError):  # ComfyUI's forward gets the odd call, and rejects it too
+        patch(q, k)
+    original = patch.previous
+    patch.previous = lambda *a: tuple(t * 1.05 for t in original(*a))
+    patch(q, k, v)
+    assert "rel. L2" in patch.fallbacks["cpu"]
+    patch(q, k, v)
+    reasons = _norms()["reasons"]
+    assert reasons == {"arguments other than QKNorm's (q, k, v)": 1, pfn.REASON_FALLBACK: 2}, reasons
+
+
+def test_other_qk_norms_are_left_alone():
+    other = QKNorm(HEAD_DIM)
+    other.query_norm = torch.nn.LayerNorm(HEAD_DIM)
+    assert "query_norm" in pfn.fusable_qk_norm(other)
+
+    class KreaQKNorm(QKNorm):  # another model's QKNorm class with its own forward
+        def forward(self, q, k, v):
+            return q, k
+
+    assert "not ComfyUI's flux QKNorm" in pfn.fusable_qk_norm(KreaQKNorm(HEAD_DIM))

@@ -135,7 +135,7 @@ def main():
     legacy = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 3)
     at, sk, fp8 = kernel("attention_triton"), kernel("attention_short_kv"), kernel("attention_fp8")
     fp8q = kernel("attention_fp8_quant")
-    norm_kernels = (kernel("norm_rope"), kernel("layer_norm_modulate"))
+    norm_kernels = (kernel("norm_rope"), kernel("layer_norm_modulate"), kernel("qk_norm"))
     gpu_rules = kernel("gpu_rules")
     report = {"triton": triton.__version__, "triton_file": triton.__file__, "features": features(tl),
               "import_seconds": round(time.time() - t_import, 2), "refused": {}, "cases": []}
@@ -199,7 +199,7 @@ def main():
             for kname, fn, sig, constexprs, attrs, warps in fp8q.compile_specs("bf16", 128, 128, 128):
                 build(name, "fp8_full_quant", kname, (fn, sig, constexprs, attrs),
                       dict(num_warps=warps, num_stages=3), target)
-        # The fused norms (RMSNorm + RoPE, LayerNorm + modulation) at Wan 14B's row width:
+        # The fused norms (RMSNorm + RoPE, LayerNorm + modulation at Wan 14B's row width, QK norm):
         # row kernels without dots, one NVIDIA and one AMD target per release.
         if name in FUSED_NORM_TARGETS:
             for module in norm_kernels:

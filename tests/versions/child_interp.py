@@ -10,7 +10,7 @@ Tolerances (relative L2 against the float32 reference), as in tests/kernels/:
 - fp16: 2e-3 (p is rounded to fp16 before P@V); fp32: 1e-5 (the interpreter's fp32 dots are
   exact numpy products);
 - FP8 against attention_fp8_emulated (the same quantisation done in torch): 5e-3;
-- the fused norms (kernels/norm_rope.py, layer_norm_modulate.py), fp16, against their
+- the fused norms (kernels/norm_rope.py, layer_norm_modulate.py, qk_norm.py), fp16, against their
   references: 1e-3.
 """
 from __future__ import annotations
@@ -121,7 +121,8 @@ def main():
     # The fused norms (fp16: bf16 casts are emulated under the interpreter, fp16's are not)
     # against their references, which round where ComfyUI's ops round.
     for name, run in (("fused_rms_norm_rope_fp16", _rms_norm_rope_case),
-                      ("fused_layer_norm_modulate_fp16", _layer_norm_modulate_case)):
+                      ("fused_layer_norm_modulate_fp16", _layer_norm_modulate_case),
+                      ("fused_qk_rms_norm_fp16", _qk_rms_norm_case)):
         rec = {"name": name, "tol": FUSED_NORM_TOL, "kernel": name[len("fused_"):-len("_fp16")]}
         t = time.time()
         try:
@@ -142,6 +143,14 @@ def _rms_norm_rope_case(torch):
     angles = rand((1, 13, 1, 32), torch.float32, 7)
     freqs = torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], -1).reshape(1, 13, 1, 32, 2, 2)
     return nr.rms_norm_rope(x, weight, freqs, 1e-6, 64), nr.rms_norm_rope_ref(x, weight, freqs, 1e-6, 64)
+
+
+def _qk_rms_norm_case(torch):
+    qkn = importlib.import_module("ta_interp.kernels.qk_norm")
+    q, k, _v = (rand((2, 13, 3 * 3 * 64), torch.float16, 11) * 3).view(2, 13, 3, 3, 64).permute(2, 0, 3, 1, 4)
+    wq, wk = rand((64,), torch.float32, 12).abs().half() + 0.5, rand((64,), torch.float32, 13).abs().half() + 0.5
+    out, ref = qkn.qk_rms_norm(q, k, wq, wk, 1e-6), qkn.qk_rms_norm_ref(q, k, wq, wk, 1e-6)
+    return torch.cat([o.flatten() for o in out]), torch.cat([r.flatten() for r in ref])
 
 
 def _layer_norm_modulate_case(torch):
