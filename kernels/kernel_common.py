@@ -213,6 +213,20 @@ def exact_bf16(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
 
+def row_kernel_refusal(device: torch.device) -> str | None:
+    """Why a plain Triton row kernel (no dots, no arch-specific code: the fused norms) cannot
+    run on `device`, or None."""
+    from . import device as _device
+
+    if triton is None:
+        return f"Triton is not importable: {_device.triton_import_error()}"
+    if device.type == "cpu":
+        return None if _device.interpreter_enabled() else "CPU tensors need TRITON_INTERPRET=1"
+    if device.type not in ("cuda", "xpu"):
+        return f"device type {device.type!r} has no Triton backend"
+    return None
+
+
 # ---- where the FP8 kernels may run ------------------------------------------------------------
 
 def fp8_device_refusal(device: torch.device, what: str) -> str | None:

@@ -32,8 +32,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     triton = None
     tl = None
 
-from . import device as _device
-from .kernel_common import exact_bf16
+from .kernel_common import exact_bf16, row_kernel_refusal
 
 if triton is not None:
     from .kernel_common import to_output_dtype
@@ -146,15 +145,7 @@ def _launch(x, shift, scale, eps: float, weight, bias) -> torch.Tensor:
     return out
 
 
-def refusal(device: torch.device) -> str | None:
-    """Why this device cannot run the kernel (None: it can)."""
-    if triton is None:
-        return f"Triton is not importable: {_device.triton_import_error()}"
-    if device.type == "cpu":
-        return None if _device.interpreter_enabled() else "CPU tensors need TRITON_INTERPRET=1"
-    if device.type not in ("cuda", "xpu"):
-        return f"device type {device.type!r} has no Triton backend"
-    return None
+refusal = row_kernel_refusal  # why a device cannot run the kernel (None: it can)
 
 
 def layer_norm_modulate_ref(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,

@@ -36,8 +36,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     triton = None
     tl = None
 
-from . import device as _device
-from .kernel_common import exact_bf16
+from .kernel_common import exact_bf16, row_kernel_refusal
 
 if triton is not None:
     from .kernel_common import to_output_dtype
@@ -160,15 +159,7 @@ def _launch(x: torch.Tensor, weight, freqs: torch.Tensor, eps: float, head_dim: 
     return out
 
 
-def refusal(device: torch.device) -> str | None:
-    """Why this device cannot run the kernel (None: it can)."""
-    if triton is None:
-        return f"Triton is not importable: {_device.triton_import_error()}"
-    if device.type == "cpu":
-        return None if _device.interpreter_enabled() else "CPU tensors need TRITON_INTERPRET=1"
-    if device.type not in ("cuda", "xpu"):
-        return f"device type {device.type!r} has no Triton backend"
-    return None
+refusal = row_kernel_refusal  # why a device cannot run the kernel (None: it can)
 
 
 def rms_norm_rope_ref(x: torch.Tensor, weight, freqs: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor:
