@@ -109,3 +109,19 @@ def test_flux_qk_norms_fused(comfy, family):
     assert list(norms["paths"]) == ["fused_qk_norm"], norms
     assert norms["served"] % STEPS_BLOCK_CALLS == 0, norms  # every QKNorm, every step
     assert err < FUSED_TOL, err
+
+
+def test_torch_compile_traces_comfyuis_forward(comfy):
+    """Under ComfyUI's TorchCompileModel the patched blocks trace ComfyUI's own forward
+    (inductor fuses those ops itself): nothing counted as ours or handed back, attention still
+    ours, the latent as the compiled unfused patch gives it."""
+    compiled = ("TorchCompileModel", {"backend": "inductor"})
+    plain, plain_stats = _sample(comfy, [("TritonAccelPatchAttention", {"settings": ("settings", {"mode": "fp16"})}),
+                                         compiled], "plain_compiled")
+    latent, stats = _sample(comfy, [fused(), compiled], "fused_compiled")
+    norms = _kind(stats, "norms")
+    err = rel_l2(latent, plain)
+    print(f"\ncompiled: fused-norms model vs plain: rel L2 {err:.3e}; norms {norms}; attention {stats.get('calls')}")
+    assert norms["served"] == norms["handed_back"] == 0, norms
+    assert stats["calls"].get("triton", 0) == plain_stats["calls"].get("triton", 0) > 0, (stats, plain_stats)
+    assert err < FUSED_TOL, err
