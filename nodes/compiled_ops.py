@@ -48,6 +48,61 @@ def lookup(token: int, what: str):
     return obj
 
 
+# ---- which patched model is running (what a compiled graph must be specialised on) -----------
+#
+# ComfyUI's TorchCompileModel compiles with a guard filter that drops every guard on
+# transformer_options, where the attention override lives. Dynamo caches graphs per code object
+# (WanModel.forward...), so a second patched model of the same class (new settings, a new
+# patch node) passed every remaining guard and ran the first model's graph: its baked override
+# token, or a dead one ("whose patch no longer exists"). The patch's APPLY_MODEL wrapper sets
+# ACTIVE_ATTENTION to the running model's override token around each model call (outside the
+# compiled code), and every traced override call branches on it (traced_token), which makes
+# dynamo guard on its value: another model re-traces with its own token.
+ACTIVE_ATTENTION = 0
+WRAPPER_KEY = "triton_accel_active_model"
+
+
+def traced_token(token: int) -> int:
+    """`token`, read under tracing so the graph is guarded on the running model (above)."""
+    if ACTIVE_ATTENTION != token:  # the branch is what makes dynamo guard on the global
+        return token
+    return token
+
+
+class ActiveModelWrapper:
+    """ComfyUI APPLY_MODEL wrapper: ACTIVE_ATTENTION = `token` while the model runs."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, executor, *args, **kwargs):
+        global ACTIVE_ATTENTION
+        before, ACTIVE_ATTENTION = ACTIVE_ATTENTION, self.token
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            ACTIVE_ATTENTION = before
+
+
+def add_active_model_wrapper(patched, token: int) -> bool:
+    """Put ActiveModelWrapper(token) on a ModelPatcher clone (replacing one an earlier patch of
+    this clone's chain put there); False where ComfyUI has no model wrappers."""
+    add = getattr(patched, "add_wrapper_with_key", None)
+    if add is None:
+        return False
+    try:
+        from comfy.patcher_extension import WrappersMP
+
+        wrapper_type = WrappersMP.APPLY_MODEL
+    except ImportError:  # outside ComfyUI (tests): the name ComfyUI uses
+        wrapper_type = "apply_model"
+    remove = getattr(patched, "remove_wrappers_with_key", None)
+    if remove is not None:
+        remove(wrapper_type, WRAPPER_KEY)
+    add(wrapper_type, WRAPPER_KEY, ActiveModelWrapper(token))
+    return True
+
+
 def capturing(t) -> bool:
     """Whether a CUDA graph is being captured on t's device's current stream (TorchCompileModel's
     cudagraphs backend, or a node capturing by hand): a replay runs the recorded kernels on the

@@ -229,7 +229,8 @@ class AttentionOverride:
         q, k = call["q"], call["k"]
         return torch.ops.triton_accel.patched_attention(
             q, k, call["v"], call["mask"], call["scale"], call["attn_precision"], call["skip_output_reshape"],
-            kwargs.get("low_precision_attention", True) is False, q.shape[1] != k.shape[1], self.token, name)
+            kwargs.get("low_precision_attention", True) is False, q.shape[1] != k.shape[1],
+            compiled_ops.traced_token(self.token), name)
 
     def compiled_call(self, q, k, v, mask, scale, attn_precision, skip_output_reshape: bool, full_precision: bool,
                       enable_gqa: bool, function: str) -> torch.Tensor:
@@ -386,6 +387,7 @@ def patch_model(model, settings: AccelSettings | None = None):
     # Wrap, never erase, an override another node installed: calls we hand back go through it.
     label = call_stats.new_model_label(type(getattr(model, "model", model)).__name__)
     to[OVERRIDE_KEY] = AttentionOverride(settings, previous=to.get(OVERRIDE_KEY), label=label)
+    compiled_ops.add_active_model_wrapper(patched, to[OVERRIDE_KEY].token)
     if settings.mode != "off" and patch_fused_norms.enabled():
         patch_fused_norms.patch_fused_norms(patched, label)
     return patched

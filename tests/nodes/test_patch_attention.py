@@ -321,6 +321,67 @@ def test_compiled_op_names_a_freed_override_with_a_reason():
         compiled_ops.lookup(token, "attention override")
 
 
+def test_a_second_patched_model_retraces_under_comfyuis_guard_filter():
+    """ComfyUI's TorchCompileModel drops every guard on transformer_options (where the override
+    lives), and dynamo caches graphs per code object: without the active-model wrapper a second
+    patched model ran the first one's graph, i.e. the first override (or, once that model was
+    freed, "whose patch no longer exists"). With it, each model's calls run its own override."""
+    import gc
+
+    from triton_accel.nodes import compiled_ops
+
+    def skip_transformer_options(entries):  # comfy_extras/nodes_torch_compile.py's filter
+        return [("transformer_options" not in e.name) for e in entries]
+
+    def model(q, k, v, transformer_options):
+        return transformer_options["optimized_attention_override"](
+            comfy_attention_pytorch, q, k, v, heads=2, transformer_options=transformer_options,
+            _inside_attn_wrapper=True)
+
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend="eager", options={"guard_filter_fn": skip_transformer_options})
+    args, _ = CASES["wan-heads-keyword"]()
+    served = []
+    for settings in (FORCED, AccelSettings("auto"), FORCED):  # three patched models, one after the other
+        override = AttentionOverride(settings)
+        wrapper = compiled_ops.ActiveModelWrapper(override.token)
+        call_stats.reset()
+        wrapper(compiled, *args, {"optimized_attention_override": override})
+        served.append(call_stats.snapshot()["calls"])
+        assert compiled_ops.ACTIVE_ATTENTION == 0  # restored after the call
+        del override, wrapper
+        gc.collect()  # the previous model is gone, as when ComfyUI unloads it
+    assert served == [{"triton": 1}, {"original": 1}, {"triton": 1}], served
+
+
+def test_patch_model_puts_the_active_model_wrapper_on_the_clone():
+    from triton_accel.nodes import compiled_ops
+    from triton_accel.nodes.patch_attention import OVERRIDE_KEY, patch_model
+
+    class Patcher:
+        def __init__(self):
+            self.model_options = {"transformer_options": {}}
+            self.wrappers = {}
+
+        def clone(self):
+            n = Patcher()
+            n.model_options = {"transformer_options": dict(self.model_options["transformer_options"])}
+            n.wrappers = {k: {kk: list(vv) for kk, vv in v.items()} for k, v in self.wrappers.items()}
+            return n
+
+        def add_wrapper_with_key(self, wrapper_type, key, wrapper):
+            self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)
+
+        def remove_wrappers_with_key(self, wrapper_type, key):
+            self.wrappers.get(wrapper_type, {}).pop(key, None)
+
+    once = patch_model(Patcher(), FORCED)
+    twice = patch_model(once, FORCED)
+    for patched in (once, twice):
+        (wrapper,) = patched.wrappers["apply_model"][compiled_ops.WRAPPER_KEY]
+        assert wrapper.token == patched.model_options["transformer_options"][OVERRIDE_KEY].token
+
+
 def test_torch_compile_traces_calls_autograd_records_as_they_are():
     args, kwargs = CASES["scale"]()
     q = args[0].clone().requires_grad_(True)
