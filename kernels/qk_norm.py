@@ -170,10 +170,9 @@ def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
     return _launch(q, k, q_weight, k_weight, eps)
 
 
-def compile_specs(dtype: str = "bf16", head_dim: int = 128, channels: int | None = None):
+def compile_specs(dtype: str = "bf16", head_dim: int = 128):
     """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...)): q
-    and k as Flux's permuted views of one qkv tensor. (`channels` is accepted and ignored, so
-    callers can ask every fused-norm file for the same case.)"""
+    and k as Flux's permuted views of one qkv tensor."""
     sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "WQ": f"*{dtype}", "WK": f"*{dtype}", "QO": f"*{dtype}",
            "KO": f"*{dtype}", "H": "i32", "L": "i32", "rows": "i32",
            "sqb": "i32", "sqh": "i32", "sql": "i32", "skb": "i32", "skh": "i32", "skl": "i32", "eps": "fp32",

@@ -34,6 +34,7 @@ How, and why this way:
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import sys
@@ -63,21 +64,26 @@ CALLBACK_KEY = "triton_accel_fused_norms"
 GUARD_MAX_REL_L2 = 0.01
 WAN_MODULE = "comfy.ldm.wan.model"
 
-REASON_COMPILING = "torch.compile tracing (inductor fuses these ops itself)"
 REASON_PATCHES = "attn1/attn2 patches of another node"
 REASON_FALLBACK = "block failed the first-call check"
+# What a fused kernel raises for a call it cannot serve (checked before anything runs).
+INPUT_ERRORS = (NormRopeInputError, LayerNormModulateInputError, QKNormInputError)
 
 
-class FusedWanBlock:
-    """The object patch of one WanAttentionBlock's forward; shared by clones, never copied."""
+class _GuardedPatch:
+    """An object patch of one module's forward whose first call on each device also runs the
+    forward it replaces and compares; shared by clones, never copied. Subclasses give PATH and
+    __call__, which hands back what it refuses and passes the rest to _serve."""
+
+    PATH = ""
 
     def __init__(self, label: str, name: str, module: torch.nn.Module, previous):
         self.label = label
         self.name = name
         self.module = module
-        self.previous = previous  # the block's own forward (bound method)
+        self.previous = previous  # the module's own forward (bound method)
         self.guarded: set[str] = set()  # devices whose first call agreed with the original
-        self.fallbacks: dict[str, str] = {}  # device -> why this block runs ComfyUI's forward for good
+        self.fallbacks: dict[str, str] = {}  # device -> why this one runs ComfyUI's forward for good
 
     def __deepcopy__(self, memo):
         return self
@@ -86,41 +92,52 @@ class FusedWanBlock:
         call_stats.record(call_stats.OUTCOME_HANDED_BACK, reason, kind=KIND, model=self.label)
         return self.previous(*args, **kwargs)
 
+    def _serve(self, args, kwargs, device: str, fused, compare):
+        """fused(): our output; compare(ours, reference): why they disagree, or None."""
+        if device in self.fallbacks:
+            return self._original(args, kwargs, REASON_FALLBACK)
+        if device in self.guarded:
+            try:
+                out = fused()
+            except INPUT_ERRORS as e:
+                return self._original(args, kwargs, e.reason)
+            call_stats.record(call_stats.OUTCOME_SERVED, path=self.PATH, kind=KIND, model=self.label)
+            return out
+        reference = self.previous(*args, **kwargs)
+        try:
+            failure = compare(fused(), reference)
+        except INPUT_ERRORS as e:  # this call only: the next one is guarded again
+            call_stats.record(call_stats.OUTCOME_HANDED_BACK, e.reason, kind=KIND, model=self.label)
+            return reference
+        except Exception as e:  # a kernel that fails here fails for good on this device
+            failure = f"kernel error: {type(e).__name__}: {e}"
+        if failure is not None:
+            self.fallbacks[device] = failure
+            log.warning("Triton Accel fused norms: %s %s goes to ComfyUI's forward on %s: %s",
+                        self.label, self.name, device, failure)
+            call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_FALLBACK, kind=KIND, model=self.label)
+        else:
+            self.guarded.add(device)
+            call_stats.record(call_stats.OUTCOME_SERVED, path=self.PATH, kind=KIND, model=self.label)
+        return reference
+
+
+class FusedWanBlock(_GuardedPatch):
+    """The object patch of one WanAttentionBlock's forward."""
+
+    PATH = PATH
+
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self.previous(*args, **kwargs)  # traced as ComfyUI's: not counted, like the Linear patch
         try:
             call = _bind(args, kwargs)
             reason = self._refusal(call)
-        except (TypeError, NormRopeInputError, LayerNormModulateInputError) as e:
+        except (TypeError, *INPUT_ERRORS) as e:
             reason = getattr(e, "reason", None) or f"arguments: {e}"
         if reason is not None:
             return self._original(args, kwargs, reason)
-        device = str(call["x"].device)
-        if device in self.fallbacks:
-            return self._original(args, kwargs, REASON_FALLBACK)
-        if device not in self.guarded:
-            return self._guarded_call(args, kwargs, call, device)
-        out = self._fused(**call)
-        call_stats.record(call_stats.OUTCOME_SERVED, path=PATH, kind=KIND, model=self.label)
-        return out
-
-    def _guarded_call(self, args, kwargs, call: dict, device: str):
-        reference = self.previous(*args, **kwargs)
-        try:
-            ours = self._fused(**call)
-            failure = _guard_failure(ours, reference)
-        except Exception as e:  # a kernel that fails here fails for good on this device
-            failure = f"kernel error: {type(e).__name__}: {e}"
-        if failure is not None:
-            self.fallbacks[device] = failure
-            log.warning("Triton Accel fused norms: %s block %s goes to ComfyUI's forward on %s: %s",
-                        self.label, self.name, device, failure)
-            call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_FALLBACK, kind=KIND, model=self.label)
-        else:
-            self.guarded.add(device)
-            call_stats.record(call_stats.OUTCOME_SERVED, path=PATH, kind=KIND, model=self.label)
-        return reference
+        return self._serve(args, kwargs, str(call["x"].device), lambda: self._fused(**call), _guard_failure)
 
     def _refusal(self, call: dict) -> str | None:
         x, e, freqs = call["x"], call["e"], call["freqs"]
@@ -208,11 +225,18 @@ def _norm_weight(norm, x: torch.Tensor):
     cast = getattr(ops, "cast_bias_weight", None)
     if cast is None:
         return weight.to(device=x.device, dtype=x.dtype), None
-    if "offloadable" in inspect.signature(cast).parameters:  # ComfyUI 0.4+: hand the cast back after use
+    if _takes_offloadable(cast):  # ComfyUI 0.4+: hand the cast back after use
         w, b, stream = cast(norm, x, offloadable=True)
         return w, (lambda: ops.uncast_bias_weight(norm, w, b, stream))
     w, _ = cast(norm, x)
     return w, None
+
+
+@functools.lru_cache(maxsize=4)
+def _takes_offloadable(cast) -> bool:
+    """Whether comfy.ops.cast_bias_weight has ComfyUI 0.4+'s offloadable argument (read once:
+    every fused block call asks)."""
+    return "offloadable" in inspect.signature(cast).parameters
 
 
 def _norm_rope(norm, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -244,21 +268,11 @@ def _is_own_forward(module: torch.nn.Module, class_name: str, module_name: str =
 
 # ---- Flux's QKNorm (comfy/ldm/flux/layers.py: Flux, Chroma, HunyuanVideo...) -------------------
 
-class FusedQKNorm:
+class FusedQKNorm(_GuardedPatch):
     """The object patch of one QKNorm's forward(q, k, v): both per-head RMSNorms in one
-    kernel (kernels/qk_norm.py) reading the permuted q / k views as they are; shared by
-    clones, never copied. Guarded like FusedWanBlock."""
+    kernel (kernels/qk_norm.py) reading the permuted q / k views as they are."""
 
-    def __init__(self, label: str, name: str, module: torch.nn.Module, previous):
-        self.label = label
-        self.name = name
-        self.module = module
-        self.previous = previous
-        self.guarded: set[str] = set()
-        self.fallbacks: dict[str, str] = {}
-
-    def __deepcopy__(self, memo):
-        return self
+    PATH = PATH_QK
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -271,40 +285,8 @@ class FusedQKNorm:
         reason = qk_norm_refusal(q.device)
         if reason is not None:
             return self._original(args, kwargs, reason)
-        device = str(q.device)
-        if device in self.fallbacks:
-            return self._original(args, kwargs, REASON_FALLBACK)
-        if device not in self.guarded:
-            reference = self.previous(q, k, v)
-            try:
-                ours = self._fused(q, k, v)
-                failure = _guard_failure(ours[0], reference[0]) or _guard_failure(ours[1], reference[1])
-            except QKNormInputError as e:
-                return self._counted_reference(reference, e.reason)
-            except Exception as e:  # a kernel that fails here fails for good on this device
-                failure = f"kernel error: {type(e).__name__}: {e}"
-            if failure is not None:
-                self.fallbacks[device] = failure
-                log.warning("Triton Accel fused norms: %s QKNorm %s goes to ComfyUI's on %s: %s", self.label,
-                            self.name, device, failure)
-                return self._counted_reference(reference, REASON_FALLBACK)
-            self.guarded.add(device)
-            call_stats.record(call_stats.OUTCOME_SERVED, path=PATH_QK, kind=KIND, model=self.label)
-            return reference
-        try:
-            out = self._fused(q, k, v)
-        except QKNormInputError as e:
-            return self._original(args, kwargs, e.reason)
-        call_stats.record(call_stats.OUTCOME_SERVED, path=PATH_QK, kind=KIND, model=self.label)
-        return out
-
-    def _original(self, args, kwargs, reason: str):
-        call_stats.record(call_stats.OUTCOME_HANDED_BACK, reason, kind=KIND, model=self.label)
-        return self.previous(*args, **kwargs)
-
-    def _counted_reference(self, reference, reason: str):
-        call_stats.record(call_stats.OUTCOME_HANDED_BACK, reason, kind=KIND, model=self.label)
-        return reference
+        return self._serve(args, kwargs, str(q.device), lambda: self._fused(q, k, v),
+                           lambda ours, ref: _guard_failure(ours[0], ref[0]) or _guard_failure(ours[1], ref[1]))
 
     def _fused(self, q, k, v):
         (wq, eps_q, release_q), (wk, eps_k, release_k) = (_qk_weight(self.module.query_norm, q),

@@ -135,7 +135,9 @@ def main():
     legacy = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 3)
     at, sk, fp8 = kernel("attention_triton"), kernel("attention_short_kv"), kernel("attention_fp8")
     fp8q = kernel("attention_fp8_quant")
-    norm_kernels = (kernel("norm_rope"), kernel("layer_norm_modulate"), kernel("qk_norm"))
+    # (module, compile_specs kwargs): the row kernels at Wan 14B's width, the QK norm at Flux's head dim
+    norm_kernels = ((kernel("norm_rope"), {"channels": 5120}), (kernel("layer_norm_modulate"), {"channels": 5120}),
+                    (kernel("qk_norm"), {"head_dim": 128}))
     gpu_rules = kernel("gpu_rules")
     report = {"triton": triton.__version__, "triton_file": triton.__file__, "features": features(tl),
               "import_seconds": round(time.time() - t_import, 2), "refused": {}, "cases": []}
@@ -199,11 +201,11 @@ def main():
             for kname, fn, sig, constexprs, attrs, warps in fp8q.compile_specs("bf16", 128, 128, 128):
                 build(name, "fp8_full_quant", kname, (fn, sig, constexprs, attrs),
                       dict(num_warps=warps, num_stages=3), target)
-        # The fused norms (RMSNorm + RoPE, LayerNorm + modulation at Wan 14B's row width, QK norm):
+        # The fused norms (RMSNorm + RoPE, LayerNorm + modulation, QK norm):
         # row kernels without dots, one NVIDIA and one AMD target per release.
         if name in FUSED_NORM_TARGETS:
-            for module in norm_kernels:
-                for fn, sig, constexprs, attrs, opts in module.compile_specs(dtype="bf16", channels=5120):
+            for module, kwargs in norm_kernels:
+                for fn, sig, constexprs, attrs, opts in module.compile_specs(dtype="bf16", **kwargs):
                     build(name, "fused_norms", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
                           (fn, sig, constexprs, attrs), opts, target)
     print("RESULT " + json.dumps(report), flush=True)
