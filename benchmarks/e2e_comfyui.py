@@ -27,8 +27,10 @@ with:
   <variant>+lean, <variant>+lean_rowsum  that variant with TRITON_ACCEL_GLUON_VARIANT set so
                while it runs (the Gluon attention kernels' compile-checked loop variants;
                docs/settings.md), e.g. ours-all+lean or ours-all+lean_rowsum+compile
-  <variant>+norms  that variant with TRITON_ACCEL_FUSED_NORMS=1 (Wan: each block's LayerNorm +
-               modulation and q/k RMSNorm + RoPE fused, docs/settings.md), e.g. ours-all+norms
+  <variant>+norms, <variant>+nonorms  that variant with TRITON_ACCEL_FUSED_NORMS=all (Wan
+               blocks' LayerNorm + modulation and q/k RMSNorm + RoPE fused, and Flux-layer
+               QKNorms) or =off (none); neither: the pack's default (Wan blocks only,
+               docs/settings.md), e.g. ours-all+nonorms for the step before the fusion
   <variant>+compile  that variant with ComfyUI's TorchCompileModel (inductor) applied last, as
                a user's graph puts it after the patch nodes ("default+compile" is ComfyUI's
                own compiled model); the first call, which compiles, is left out of the timing
@@ -407,7 +409,8 @@ def fast_launch_state() -> dict:
 
 COMPILED_SUFFIX = "+compile"
 GLUON_VARIANT_SUFFIXES = ("lean", "lean_rowsum")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
-NORMS_SUFFIX = "norms"  # +norms: TRITON_ACCEL_FUSED_NORMS=1 (Wan blocks' fused LayerNorm/RMSNorm/RoPE)
+# +norms / +nonorms: TRITON_ACCEL_FUSED_NORMS=all / off (unset otherwise: the pack's default)
+NORMS_SUFFIXES = {"norms": "all", "nonorms": "off"}
 
 
 def dynamo_summary() -> dict:
@@ -466,7 +469,7 @@ def split_variant(variant: str) -> tuple[str, str | None, bool]:
     """(the variant without suffixes, its Gluon loop variant or None, whether +compile)."""
     parts = variant.split("+")
     gluon = next((p for p in parts[1:] if p in GLUON_VARIANT_SUFFIXES), None)
-    rest = [p for p in parts[1:] if p not in GLUON_VARIANT_SUFFIXES and p not in ("compile", NORMS_SUFFIX)]
+    rest = [p for p in parts[1:] if p not in GLUON_VARIANT_SUFFIXES and p != "compile" and p not in NORMS_SUFFIXES]
     return "+".join([parts[0], *rest]), gluon, "compile" in parts[1:]
 
 
@@ -495,12 +498,13 @@ def gluon_variant(value):
 
 
 @contextlib.contextmanager
-def fused_norms(on: bool):
-    """TRITON_ACCEL_FUSED_NORMS=1 while a +norms variant is patched and run (read at patch time)."""
+def fused_norms(value: str | None):
+    """TRITON_ACCEL_FUSED_NORMS=value (None: unset) while a variant is patched and run (read at
+    patch time)."""
     name = "TRITON_ACCEL_FUSED_NORMS"
     before = os.environ.pop(name, None)
-    if on:
-        os.environ[name] = "1"
+    if value is not None:
+        os.environ[name] = value
     try:
         yield
     finally:
@@ -511,7 +515,8 @@ def fused_norms(on: bool):
 
 def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False):
     base_name, gluon, compiled = split_variant(variant)
-    with gluon_variant(gluon), fused_norms(NORMS_SUFFIX in variant.split("+")[1:]):
+    norms = next((NORMS_SUFFIXES[p] for p in variant.split("+")[1:] if p in NORMS_SUFFIXES), None)
+    with gluon_variant(gluon), fused_norms(norms):
         row = run_variant_uncompiled(name, base_name, base, x, t, context, kwargs, steps, device, ref,
                                      dynamic_vram, compiled=compiled)
     row["variant"] = variant

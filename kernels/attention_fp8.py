@@ -49,7 +49,7 @@ from . import cache_registry
 from . import device as _device
 from .attention_checks import check_attention_inputs
 from .attention_ref import attention_ref
-from .kernel_common import (LOG2E, arch_family, family_in, fp8_device_refusal, interpreter_upcast, mask_layout,
+from .kernel_common import (LOG2E, arch_family, cdiv, family_in, fp8_device_refusal, interpreter_upcast, mask_layout,
                             next_pow2, row_alignment, shape_class)
 from .registry import BackendUnavailableError
 
@@ -374,7 +374,7 @@ def _quantise(x, block: int, block_d: int, scale_mul: float, mean, hi, n_hi: int
     """x [B, H, L, D] (any strides) -> (fp8 [B, H, L_pad, block_d], fp32 scales [B, H, nblk],
     outlier channels [B, H, L_pad, n_hi] in x's dtype); all contiguous, padding zeroed."""
     B, H, L, D = x.shape
-    nblk = triton.cdiv(L, block)
+    nblk = cdiv(L, block)
     y = torch.empty(B, H, nblk * block, block_d, device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(B, H, nblk, device=x.device, dtype=torch.float32)
     yh = torch.empty(B, H, nblk * block, max(n_hi, 1), device=x.device, dtype=x.dtype)
@@ -410,7 +410,7 @@ def _launch(q, k, v, attn_mask, scale, is_causal, config, interpreter):
 
     mask_kind, mk, mstr, row_bcast = mask_layout(attn_mask, B, H, Lq, Lk, sq)
 
-    grid = (triton.cdiv(Lq, block_m), B * H)
+    grid = (cdiv(Lq, block_m), B * H)
     _attn_fp8_fwd[grid](
         q8, k8, sq, sk, qh, kh, v, out, mk,
         *v.stride(), *out.stride(), *mstr,

@@ -44,7 +44,7 @@ except Exception:  # importing the pack must work without Triton; callers check 
 
 from .attention_fp8_quant import QUANT_TUNING, STATS_ROWS, _carve, _signature, padded_head_dim
 from .attention_fp8_quant import compile_specs as _fp8_quant_specs
-from .kernel_common import LOG2E
+from .kernel_common import LOG2E, cdiv
 
 if triton is not None:
     from .attention_fp8_quant import _fp8_stats_kernel, _quant_rows, _to_e4m3
@@ -196,9 +196,9 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     HK, Lk = k.shape[1], k.shape[2]
     bhq, bhk = B * H, B * HK
     block_d = padded_head_dim(D)
-    nchq = max(triton.cdiv(Lq, STATS_ROWS), 1) if balance else 1
-    nchk = max(triton.cdiv(Lk, STATS_ROWS), 1)
-    nqb, nkb = triton.cdiv(Lq, block_m), triton.cdiv(Lk, block_n)
+    nchq = max(cdiv(Lq, STATS_ROWS), 1) if balance else 1
+    nchk = max(cdiv(Lk, STATS_ROWS), 1)
+    nqb, nkb = cdiv(Lq, block_m), cdiv(Lk, block_n)
     lq_pad, lk_pad = nqb * block_m, nkb * block_n
     dev = q.device
     # Pieces in 16-byte multiples except the last (block scales, read as scalars).

@@ -108,5 +108,38 @@ def record(key, kernel, grid: tuple, consts: tuple, args: tuple, out_index: int 
         _plans.clear()
 
 
+_orders: dict = {}  # @triton.jit kernel -> constexpr_order(kernel), read once
+
+
+def signature_key(name: str, args: tuple) -> tuple:
+    """A direct-launch key for a kernel whose launch is a function of its runtime arguments
+    alone (grid, constexprs and options derived from them by the caller): what Triton's JIT
+    specialises on, per argument. Tensors: dtype and 16-byte alignment of the pointer; ints:
+    the value (covers the JIT's == 1 and % 16 classes); floats: nothing (never specialised)."""
+    return (name, *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                    else a if isinstance(a, int) else float for a in args])
+
+
+def jit_or_plan(kernel, grid: tuple, args: tuple, consts: dict, out_index: int, name: str, **options) -> None:
+    """kernel[grid](*args, **consts, **options) through Triton's JIT launch, or, from the
+    third call of one signature_key on (the second verifies it), the compiled kernel launched
+    directly. Only for kernels whose grid, constexprs and options follow from their runtime
+    arguments (the key holds nothing else); `consts` must name every constexpr."""
+    out = args[out_index]
+    key = None
+    if usable(out):
+        key = (out.device.index, *signature_key(name, args))
+        plan = lookup(key)
+        if plan is not None:
+            launch(plan, out.device.index, args)
+            return
+    compiled = kernel[grid](*args, **consts, **options)
+    if key is not None:
+        order = _orders.get(kernel)
+        if order is None:
+            order = _orders[kernel] = constexpr_order(kernel)
+        record(key, compiled, grid, tuple(consts[n] for n in order), args, out_index=out_index)
+
+
 def verified_count() -> int:
     return sum(p.verified for p in _plans.values())

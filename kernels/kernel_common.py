@@ -37,6 +37,12 @@ def next_pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints. Host code uses this, not triton.cdiv: since Triton 3.6 that is a
+    constexpr_function whose Python call costs microseconds, on every kernel launch."""
+    return -(-a // b)
+
+
 def row_alignment(*tensors) -> int:
     """Largest power of two (<= 16 elements) dividing every row/head/batch stride, or 1 when a
     last dim is strided: the divisibility the kernels may promise Triton for row offsets."""
@@ -216,6 +222,8 @@ def exact_bf16(x: torch.Tensor) -> bool:
 def row_kernel_refusal(device: torch.device) -> str | None:
     """Why a plain Triton row kernel (no dots, no arch-specific code: the fused norms) cannot
     run on `device`, or None."""
+    if triton is not None and device.type == "cuda":  # first: every fused-norm call asks
+        return None
     from . import device as _device
 
     if triton is None:

@@ -32,7 +32,8 @@ except Exception:  # the registry reports why; importing the pack must still wor
     triton = None
     tl = None
 
-from .kernel_common import exact_bf16, row_kernel_refusal
+from . import direct_launch
+from .kernel_common import exact_bf16, row_kernel_refusal, next_pow2
 
 if triton is not None:
     from .kernel_common import to_output_dtype
@@ -135,13 +136,14 @@ def _launch(x, shift, scale, eps: float, weight, bias) -> torch.Tensor:
     rows = x2d.shape[0]
     if rows == 0:
         return out
-    block_c = triton.next_power_of_2(channels)
+    block_c = next_pow2(channels, 1)
     stride_mb = shift2.stride(0) if shift2.shape[0] > 1 else 0
     w, b = (weight, bias) if weight is not None else (x2d, x2d)  # never read without HAS_AFFINE
-    _layer_norm_modulate[(rows,)](x2d, shift2, scale2, w, b, out.view(-1, channels), tokens, channels,
-                                  x2d.stride(0), channels, stride_mb, float(eps), BLOCK_C=block_c,
-                                  HAS_AFFINE=weight is not None, EXACT_BF16=exact_bf16(x),
-                                  num_warps=_warps(block_c))
+    args = (x2d, shift2, scale2, w, b, out.view(-1, channels), tokens, channels, x2d.stride(0), channels,
+            stride_mb, float(eps))
+    consts = dict(BLOCK_C=block_c, HAS_AFFINE=weight is not None, EXACT_BF16=exact_bf16(x))
+    direct_launch.jit_or_plan(_layer_norm_modulate, (rows,), args, consts, 5, "layer_norm_modulate",
+                              num_warps=_warps(block_c))
     return out
 
 
@@ -189,12 +191,12 @@ def layer_norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tenso
     reason = refusal(x.device)
     if reason is not None:
         raise LayerNormModulateInputError(reason)
-    batch, _, channels = _check(x, weight, bias)
-    _modulation(shift, "shift", x, batch, channels)
-    _modulation(scale, "scale", x, batch, channels)
-    if _REGISTRATION_ERROR is None:
+    if _REGISTRATION_ERROR is None and torch.compiler.is_compiling():
+        batch, _, channels = _check(x, weight, bias)
+        _modulation(shift, "shift", x, batch, channels)
+        _modulation(scale, "scale", x, batch, channels)
         return torch.ops.triton_accel.layer_norm_modulate(x, shift, scale, float(eps), weight, bias)
-    return _launch(x, shift, scale, eps, weight, bias)
+    return _launch(x, shift, scale, eps, weight, bias)  # eager: no custom-op dispatch; _launch checks
 
 
 def compile_specs(dtype: str = "bf16", channels: int = 5120, affine: bool = False):
@@ -203,7 +205,7 @@ def compile_specs(dtype: str = "bf16", channels: int = 5120, affine: bool = Fals
     sig = {"X": f"*{dtype}", "SHIFT": f"*{dtype}", "SCALE": f"*{dtype}", "W": f"*{dtype}", "B": f"*{dtype}",
            "Y": f"*{dtype}", "L": "i32", "C": "i32", "stride_xm": "i32", "stride_ym": "i32", "stride_mb": "i32",
            "eps": "fp32", "BLOCK_C": "constexpr", "HAS_AFFINE": "constexpr", "EXACT_BF16": "constexpr"}
-    block_c = triton.next_power_of_2(channels)
+    block_c = next_pow2(channels, 1)
     const = dict(BLOCK_C=block_c, HAS_AFFINE=affine, EXACT_BF16=False)
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]]

@@ -49,7 +49,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
 from . import cache_registry, direct_launch
 from . import device as _device
 from .gpu_rules import feature_refusal
-from .kernel_common import arch_family, family_in, fp8_device_refusal, sm_count
+from .kernel_common import arch_family, family_in, fp8_device_refusal, sm_count, cdiv, next_pow2
 
 log = logging.getLogger("triton_accel.kernels.linear_fp8")  # not __name__: the clone's folder name
 
@@ -460,7 +460,7 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             direct_launch.launch(plan, x2d.device.index, args)
             return y, s
     one_pass = k <= QUANT_ONE_PASS_MAX
-    block = triton.next_power_of_2(k) if one_pass else QUANT_LOOP_BLOCK
+    block = next_pow2(k, 1) if one_pass else QUANT_LOOP_BLOCK
     warps = 8 if block >= 4096 else 4
     consts = dict(BLOCK_K=block, ONE_PASS=one_pass, EXACT_CAST=interpreter)
     kernel = _quant_rows_fp8[(m,)](*args, **consts, num_warps=warps)
@@ -536,7 +536,7 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
     else:
         cfg = config
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     programs = min(tiles, INTERPRETER_PROGRAMS if interpreter else sm_count(device.index or 0))
     split = act_out is not None
     consts = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],

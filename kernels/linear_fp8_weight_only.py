@@ -36,7 +36,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import device as _device
-from .kernel_common import arch_family, family_in, sm_count
+from .kernel_common import arch_family, family_in, sm_count, cdiv
 from .linear_fp8 import epilogue_act, quantize_weight
 
 if triton is not None:
@@ -128,7 +128,7 @@ def run_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
     cfg = config or dict(LINEAR_FP8_WO_CONFIGS["interpreter" if interpreter else
                                               config_family(_device.describe(x2d.device).arch)])
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     programs = min(tiles, INTERPRETER_PROGRAMS if interpreter else sm_count(x2d.device.index or 0))
     w_bytes = weight.view(torch.uint8)  # the kernel decodes the bits itself
     _fp8_weight_only_linear[(programs,)](

@@ -38,7 +38,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
 
 from . import cache_registry
 from . import device as _device
-from .kernel_common import arch_family, family_in, sm_count
+from .kernel_common import arch_family, family_in, sm_count, cdiv
 from .linear_fp8 import epilogue_act
 
 if triton is not None:
@@ -218,7 +218,7 @@ def quantize_activation(x2d: torch.Tensor, rotation: int) -> tuple[torch.Tensor,
         raise ValueError(f"in_features {k} is not a multiple of the rotation block {rotation}")
     bm = 16 if interpreter else QUANT_BLOCK_M
     block_k = rotation or QUANT_PLAIN_BLOCK_K
-    _quant_rows_int8[(triton.cdiv(m, bm),)](
+    _quant_rows_int8[(cdiv(m, bm),)](
         x2d, y, s, m, k, x2d.stride(0), BLOCK_M=bm, BLOCK_K=block_k, ROTATE=bool(rotation),
         LOG2_BLOCK=max(rotation, 1).bit_length() - 1, DOT_FP32=interpreter, num_warps=4)
     return y, s
@@ -237,7 +237,7 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_
     if m == 0:
         return out
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
     programs = min(tiles, INTERPRETER_PROGRAMS if interpreter else sm_count(x_q.device.index or 0))
     bias_arg = bias if bias is not None else x_scale  # placeholder pointer, never read
     _int8_linear[(programs,)](

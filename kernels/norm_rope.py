@@ -36,7 +36,8 @@ except Exception:  # the registry reports why; importing the pack must still wor
     triton = None
     tl = None
 
-from .kernel_common import exact_bf16, row_kernel_refusal
+from . import direct_launch
+from .kernel_common import exact_bf16, row_kernel_refusal, next_pow2
 
 if triton is not None:
     from .kernel_common import to_output_dtype
@@ -149,13 +150,13 @@ def _launch(x: torch.Tensor, weight, freqs: torch.Tensor, eps: float, head_dim: 
     rows = x2d.shape[0]
     if rows == 0:
         return out
-    block_c = triton.next_power_of_2(channels)
+    block_c = next_pow2(channels, 1)
     stride_fb = table.stride(0) if table.shape[0] > 1 else 0
     w = weight if weight is not None else x2d  # never read without HAS_WEIGHT
-    _rms_norm_rope[(rows,)](x2d, w, table, out.view(-1, channels), tokens, channels, x2d.stride(0), channels,
-                            stride_fb, table.stride(1), float(eps), HALF_D=head_dim // 2, BLOCK_C=block_c,
-                            HAS_WEIGHT=weight is not None, EXACT_BF16=exact_bf16(x),
-                            num_warps=_warps(block_c))
+    args = (x2d, w, table, out.view(-1, channels), tokens, channels, x2d.stride(0), channels, stride_fb,
+            table.stride(1), float(eps))
+    consts = dict(HALF_D=head_dim // 2, BLOCK_C=block_c, HAS_WEIGHT=weight is not None, EXACT_BF16=exact_bf16(x))
+    direct_launch.jit_or_plan(_rms_norm_rope, (rows,), args, consts, 3, "rms_norm_rope", num_warps=_warps(block_c))
     return out
 
 
@@ -200,10 +201,10 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, freqs: torch.Ten
     reason = refusal(x.device)
     if reason is not None:
         raise NormRopeInputError(reason)
-    _check(x, weight, freqs, head_dim)
-    if _REGISTRATION_ERROR is None:
+    if _REGISTRATION_ERROR is None and torch.compiler.is_compiling():
+        _check(x, weight, freqs, head_dim)
         return torch.ops.triton_accel.rms_norm_rope(x, weight, freqs, float(eps), int(head_dim))
-    return _launch(x, weight, freqs, eps, head_dim)
+    return _launch(x, weight, freqs, eps, head_dim)  # eager: no custom-op dispatch; _launch checks
 
 
 def compile_specs(dtype: str = "bf16", channels: int = 5120, head_dim: int = 128, has_weight: bool = True):
@@ -212,7 +213,7 @@ def compile_specs(dtype: str = "bf16", channels: int = 5120, head_dim: int = 128
     sig = {"X": f"*{dtype}", "W": f"*{dtype}", "F": "*fp32", "Y": f"*{dtype}", "L": "i32", "C": "i32",
            "stride_xm": "i32", "stride_ym": "i32", "stride_fb": "i32", "stride_fl": "i32", "eps": "fp32",
            "HALF_D": "constexpr", "BLOCK_C": "constexpr", "HAS_WEIGHT": "constexpr", "EXACT_BF16": "constexpr"}
-    block_c = triton.next_power_of_2(channels)
+    block_c = next_pow2(channels, 1)
     const = dict(HALF_D=head_dim // 2, BLOCK_C=block_c, HAS_WEIGHT=has_weight, EXACT_BF16=False)
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("X", "W", "F", "Y", "C", "stride_xm", "stride_ym")}

@@ -12,10 +12,12 @@ attention patches still serve those calls):
 - in the self-attention, norm_q(q(x)) then apply_rope1 (and the same for k): one
   rms_norm_rope pass each, instead of torch's RMSNorm plus comfy-kitchen's RoPE.
 Measured at Wan 2.1 14B (H200, session 25's profile), those ops take 0.25 + 0.50 and
-0.30 + 0.54 ms a call, 60 + 68 ms of a 2081 ms step; one pass of a 32760 x 5120 bf16
-activation in and out is ~0.2 ms at the H200's copy rate. Whether the fused passes get there
-is **not measured yet** (no GPU was lent since they were written), so this is off unless
-TRITON_ACCEL_FUSED_NORMS is set (docs/settings.md).
+0.30 + 0.54 ms a call, 60 + 68 ms of a 2081 ms step. The fused passes take 0.24 and 0.49 ms
+against 0.76 and 0.81 ms (H100, benchmarks/fused_norms_bench.py), and the Wan step 53-65 ms
+less (2096 -> 2032, 2116 -> 2063 ms on an H100, same output), so the blocks are fused by
+default. Flux's QKNorms only with TRITON_ACCEL_FUSED_NORMS=all: the fused launch costs more
+host time than the two RMSNorms it replaces, and the eager Flux step is host-bound
+(docs/settings.md).
 
 How, and why this way:
 - Each block's `forward` becomes an object patch on the patched clone (as the Linear patch
@@ -48,8 +50,8 @@ from ..kernels.layer_norm_modulate import refusal as layer_norm_modulate_refusal
 from ..kernels.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
 from ..kernels.norm_rope import refusal as norm_rope_refusal
 from ..kernels.qk_norm import QKNormInputError, qk_rms_norm
-from ..kernels.qk_norm import refusal as qk_norm_refusal
 from . import call_stats
+from .patch_linear import guard_failure, module_attr
 
 log = logging.getLogger("triton_accel.nodes.patch_fused_norms")  # not __name__: the clone's folder name
 
@@ -70,20 +72,40 @@ REASON_FALLBACK = "block failed the first-call check"
 INPUT_ERRORS = (NormRopeInputError, LayerNormModulateInputError, QKNormInputError)
 
 
+class Guard:
+    """The first-call check's outcome per device, shared by every patch of one kind that one
+    patch_fused_norms call put into one model: its blocks are one class running one forward,
+    so the first block called on a device is compared with ComfyUI's forward for all of them
+    (a whole-block reference costs a block's attention and MLP again: checking each of Wan
+    14B's 40 blocks would add about a step to the first one)."""
+
+    def __init__(self):
+        self.guarded: set[str] = set()  # devices whose first call agreed with the original
+        self.fallbacks: dict[str, str] = {}  # device -> why these run ComfyUI's forward for good
+
+
 class _GuardedPatch:
-    """An object patch of one module's forward whose first call on each device also runs the
-    forward it replaces and compares; shared by clones, never copied. Subclasses give PATH and
-    __call__, which hands back what it refuses and passes the rest to _serve."""
+    """An object patch of one module's forward whose first call on each device (first among
+    the patches sharing its Guard) also runs the forward it replaces and compares; shared by
+    clones, never copied. Subclasses give PATH and __call__, which hands back what it refuses
+    and passes the rest to _serve."""
 
     PATH = ""
 
-    def __init__(self, label: str, name: str, module: torch.nn.Module, previous):
+    def __init__(self, label: str, name: str, module: torch.nn.Module, previous, guard: Guard | None = None):
         self.label = label
         self.name = name
         self.module = module
         self.previous = previous  # the module's own forward (bound method)
-        self.guarded: set[str] = set()  # devices whose first call agreed with the original
-        self.fallbacks: dict[str, str] = {}  # device -> why this one runs ComfyUI's forward for good
+        self.guard = guard if guard is not None else Guard()
+
+    @property
+    def guarded(self) -> set[str]:
+        return self.guard.guarded
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        return self.guard.fallbacks
 
     def __deepcopy__(self, memo):
         return self
@@ -113,8 +135,8 @@ class _GuardedPatch:
             failure = f"kernel error: {type(e).__name__}: {e}"
         if failure is not None:
             self.fallbacks[device] = failure
-            log.warning("Triton Accel fused norms: %s %s goes to ComfyUI's forward on %s: %s",
-                        self.label, self.name, device, failure)
+            log.warning("Triton Accel fused norms: %s's %s (checked at %s) go to ComfyUI's forward on %s: %s",
+                        self.label, type(self.module).__name__, self.name, device, failure)
             call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_FALLBACK, kind=KIND, model=self.label)
         else:
             self.guarded.add(device)
@@ -214,12 +236,10 @@ def _norm_weight(norm, x: torch.Tensor):
     """(weight in x's dtype on x's device, release) the way ComfyUI's RMSNorm gets it: cast by
     comfy.ops (LoRA weight functions, offloading, dynamic VRAM) where the module casts, its own
     parameter otherwise."""
-    weight = getattr(norm, "weight", None)
+    weight = _fast_attr(norm, "_parameters", "weight")
     if weight is None:
         return None, None
-    casts = (getattr(norm, "comfy_cast_weights", False) or len(getattr(norm, "weight_function", ()))
-             or len(getattr(norm, "bias_function", ())))
-    if not casts and weight.device == x.device and weight.dtype == x.dtype:
+    if not _casts_weights(norm) and weight.device == x.device and weight.dtype == x.dtype:
         return weight, None
     ops = sys.modules.get("comfy.ops")
     cast = getattr(ops, "cast_bias_weight", None)
@@ -230,6 +250,27 @@ def _norm_weight(norm, x: torch.Tensor):
         return w, (lambda: ops.uncast_bias_weight(norm, w, b, stream))
     w, _ = cast(norm, x)
     return w, None
+
+
+def _fast_attr(module: torch.nn.Module, table: str, name: str):
+    """module.<name> for a parameter (table "_parameters") or submodule ("_modules"), read
+    from its table: nn.Module.__getattr__ costs microseconds, and Flux's QKNorm path reads
+    four of these a call, ~76 calls a step. Anything else through module_attr (getattr's
+    answer)."""
+    value = module.__dict__[table].get(name, _MISSING)
+    return module_attr(module, name) if value is _MISSING else value
+
+
+def _casts_weights(module: torch.nn.Module) -> bool:
+    """Whether comfy.ops casts this module's weight per call (manual cast, offloading, LoRA
+    weight functions): ComfyUI sets these on the instance over class-level defaults."""
+    d, cls = module.__dict__, type(module)
+    return bool(d.get("comfy_cast_weights", getattr(cls, "comfy_cast_weights", False))
+                or d.get("weight_function", getattr(cls, "weight_function", ()))
+                or d.get("bias_function", getattr(cls, "bias_function", ())))
+
+
+_MISSING = object()
 
 
 @functools.lru_cache(maxsize=4)
@@ -277,20 +318,22 @@ class FusedQKNorm(_GuardedPatch):
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self.previous(*args, **kwargs)
-        if len(args) != 3 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
+        if len(args) != 3 or kwargs:
             return self._original(args, kwargs, "arguments other than QKNorm's (q, k, v)")
         q, k, v = args
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            return self._original(args, kwargs, "arguments other than QKNorm's (q, k, v)")
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             return self._original(args, kwargs, "autograd records this call")
-        reason = qk_norm_refusal(q.device)
-        if reason is not None:
-            return self._original(args, kwargs, reason)
+        # qk_rms_norm raises QKNormInputError with the reason for a device or layout it cannot
+        # serve: no separate refusal check on this path, which Flux takes ~76 times a step.
         return self._serve(args, kwargs, str(q.device), lambda: self._fused(q, k, v),
                            lambda ours, ref: _guard_failure(ours[0], ref[0]) or _guard_failure(ours[1], ref[1]))
 
     def _fused(self, q, k, v):
-        (wq, eps_q, release_q), (wk, eps_k, release_k) = (_qk_weight(self.module.query_norm, q),
-                                                          _qk_weight(self.module.key_norm, k))
+        module = self.module
+        (wq, eps_q, release_q), (wk, eps_k, release_k) = (_qk_weight(_fast_attr(module, "_modules", "query_norm"), q),
+                                                          _qk_weight(_fast_attr(module, "_modules", "key_norm"), k))
         try:
             if eps_q != eps_k:
                 raise QKNormInputError("q and k norms with different eps")
@@ -359,7 +402,7 @@ def fusable_block(block: torch.nn.Module) -> str | None:
 
 
 def enabled() -> bool:
-    return env_settings.flag(env_settings.FUSED_NORMS, False)
+    return env_settings.fused_norms() != "off"
 
 
 def patch_fused_norms(patched, label: str) -> int:
@@ -368,8 +411,12 @@ def patch_fused_norms(patched, label: str) -> int:
     diffusion_model = getattr(getattr(patched, "model", None), "diffusion_model", None)
     if not isinstance(diffusion_model, torch.nn.Module):
         return 0
-    count = _patch_qk_norms(patched, diffusion_model, label)
+    # Flux's QKNorms only on request: the fused call saves ~0.13 ms of GPU time at 1024² but
+    # costs more host time than ComfyUI's two RMSNorm calls, and the eager Flux step is
+    # host-bound (session 30 on an H100: 121 -> 121-145 ms a step).
+    count = _patch_qk_norms(patched, diffusion_model, label) if env_settings.fused_norms() == "all" else 0
     blocks = getattr(diffusion_model, "blocks", None)
+    guard = Guard()
     for i, block in enumerate(blocks if isinstance(blocks, torch.nn.ModuleList) else ()):
         if fusable_block(block) is not None:
             continue
@@ -379,7 +426,7 @@ def patch_fused_norms(patched, label: str) -> int:
             continue
         if not (isinstance(previous, types.MethodType) and previous.__self__ is block):
             continue  # another node's patch of this block: left alone
-        patched.add_object_patch(key, FusedWanBlock(label, f"blocks.{i}", block, previous))
+        patched.add_object_patch(key, FusedWanBlock(label, f"blocks.{i}", block, previous, guard))
         count += 1
     if count:
         _add_multigpu_callbacks(patched)
@@ -389,6 +436,7 @@ def patch_fused_norms(patched, label: str) -> int:
 
 def _patch_qk_norms(patched, diffusion_model: torch.nn.Module, label: str) -> int:
     count = 0
+    guard = Guard()
     for name, module in diffusion_model.named_modules():
         if not name or fusable_qk_norm(module) is not None:
             continue
@@ -396,7 +444,7 @@ def _patch_qk_norms(patched, diffusion_model: torch.nn.Module, label: str) -> in
         previous = patched.get_model_object(key)
         if not (isinstance(previous, types.MethodType) and previous.__self__ is module):
             continue  # ours already, or another node's patch: left alone
-        patched.add_object_patch(key, FusedQKNorm(label, name, module, previous))
+        patched.add_object_patch(key, FusedQKNorm(label, name, module, previous, guard))
         count += 1
     return count
 
@@ -436,10 +484,8 @@ def on_multigpu_clone(source, clone) -> None:
             del clone.object_patches[key]
             continue
         clone.object_patches[key] = type(value)(value.label, value.name, module,
-                                                types.MethodType(type(module).forward, module))
+                                                types.MethodType(type(module).forward, module), value.guard)
 
 
 def _guard_failure(ours: torch.Tensor, reference: torch.Tensor) -> str | None:
-    from .patch_linear import guard_failure
-
     return guard_failure(ours, reference, GUARD_MAX_REL_L2)

@@ -100,7 +100,9 @@ for cfg_name, d in jobs:
             qk = triton.compile(ASTSource(*spec[1:5]), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=spec[5]))
             out[-1]["v_key_perm_quant"] = dict(ok=True, cubin=len(qk.asm.get("cubin", b"")),
-                                               local="ld.local" in qk.asm["ptx"] or "st.local" in qk.asm["ptx"])
+                                               local="ld.local" in qk.asm["ptx"] or "st.local" in qk.asm["ptx"],
+                                               byte_stores=len(re.findall(r"st\.global\.b8", qk.asm["ptx"])),
+                                               v4_stores=len(re.findall(r"st\.global\.v4", qk.asm["ptx"])))
         except Exception as e:
             out[-1]["v_key_perm_quant"] = dict(ok=False, error=f"{type(e).__name__}: {e}"[-800:])
 print("RESULT " + json.dumps(dict(refusal=None, triton=triton.__version__, results=out)))
@@ -183,6 +185,10 @@ def test_main_loop_sass(report, job):
     if opts["PERM_P"]:
         quant = r["v_key_perm_quant"]  # compiled before the SASS is read: no cuobjdump needed
         assert quant["ok"] and quant["cubin"] > 0 and not quant["local"], quant
+        # VT8's permuted keys must not cost the store its vectors: with the permutation on the
+        # store addresses it fell apart into 64 single-byte stores a tile (session 30, H100:
+        # the quantisation's share of Wan's attention time went from 3 % to 16 %).
+        assert quant["byte_stores"] == 0 and quant["v4_stores"] >= 8, quant
         assert loop["per_tile"].get("SEL", 0) == 0, loop["per_tile"]
         assert loop["per_tile"]["SHFL"] <= base["per_tile"]["SHFL"] / 3, (loop["per_tile"]["SHFL"],
                                                                           base["per_tile"]["SHFL"])

@@ -123,6 +123,17 @@ def patch(mode: str | None = "fp16", device: str = "auto"):
     return (PATCH, {"settings": ("settings", {"mode": mode, "device": device})})
 
 
+def fused_norms(item: tuple, norms: str) -> tuple:
+    """A PATCH or COMBINED_PATCH model_chain item run with TRITON_ACCEL_FUSED_NORMS=norms ("all",
+    "blocks" (the pack's default) or "off") through the TritonAccelTestFusedNorms test node;
+    the combined node then gets skip "auto" and min_tokens 1, as linear_patch() gives it."""
+    node, inputs = item
+    wrapped = {"node": node, "attn1_patch": False, "fused_norms": norms}
+    if "settings" in inputs:
+        wrapped["settings"] = inputs["settings"]
+    return ("TritonAccelTestFusedNorms", wrapped)
+
+
 LINEAR_PATCH = "TritonAccelPatchLinear"
 COMBINED_PATCH = "TritonAccelPatch"
 

@@ -32,7 +32,7 @@ import json
 
 import pytest
 
-from it_workflows import (FAMILIES, patch, probe_reports, probe_workflow, read_latent, rel_l2,
+from it_workflows import (FAMILIES, fused_norms, patch, probe_reports, probe_workflow, read_latent, rel_l2,
                           sampling_workflow, spy)
 
 LATENT_TOL = {"sd15": 1e-6, "flux": 1e-4, "wan21": 1e-4, "hunyuan_video": 1e-4}
@@ -201,7 +201,9 @@ def test_torch_compile_model_after_the_patch_serves_every_call(runs, family):
     """ComfyUI's TorchCompileModel (inductor) after our patch: every attention call the eager
     patch served is served from the compiled graph too (one patched_attention op each; masks,
     cross-attention, skip_reshape as each family sends them), with the same latent."""
-    eager = runs.sample(family, chain=[patch("fp16")], tag="fp16_eager")
+    # Eager with the fused norms off: their first-call check runs one Wan block twice (ComfyUI's
+    # forward and ours), which the compiled graph, tracing ComfyUI's forward, does not.
+    eager = runs.sample(family, chain=[fused_norms(patch("fp16"), "off")], tag="fp16_eager")
     run = runs.sample(family, chain=[patch("fp16"), ("TorchCompileModel", {"backend": "inductor"})],
                       tag="fp16_compiled")
     err = rel_l2(run["latent"], eager["latent"])

@@ -176,7 +176,9 @@ def test_saved_workflow_with_an_extension_not_installed_still_runs(server):
     assert stats["paths"].get(PATH, 0) == 0 and stats["calls"].get("original", 0) > 0
     assert any(r.startswith("ext:not-installed-here asked, but no extension of that name is registered")
                for r in stats["reasons"]), stats["reasons"]
-    assert rel_l2(latent, reference) == 0.0
+    # Attention and Linear are ComfyUI's; the Wan blocks' fused norms (on by default) still run,
+    # differing from torch's LayerNorm / RMSNorm only in the order of fp32 row sums.
+    assert rel_l2(latent, reference) < 1e-6
 
 
 def test_invalid_mode_is_still_refused_by_validation(server):

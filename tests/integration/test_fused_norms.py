@@ -10,7 +10,7 @@ attention error moves this latent by 2.4e-3 (test_attention_patch.py's calibrati
 
 import pytest
 
-from it_workflows import linear_patch, read_latent, rel_l2, sampling_workflow
+from it_workflows import fused_norms, linear_patch, patch, read_latent, rel_l2, sampling_workflow
 
 FAMILY = "wan21"
 FUSED_TOL = 1e-5
@@ -24,11 +24,12 @@ def with_guard_run(count: int) -> int:
     return count * (STEPS_BLOCK_CALLS + 1) // STEPS_BLOCK_CALLS
 
 
-def fused(node="TritonAccelPatchAttention", attention="fp16", linear=None, attn1_patch=False):
+def fused(node="TritonAccelPatchAttention", attention="fp16", linear=None, attn1_patch=False, norms="all"):
     settings = {"mode": attention, "device": "auto"}
     if linear is not None:
         settings["linear"] = linear
-    return ("TritonAccelTestFusedNorms", {"node": node, "attn1_patch": attn1_patch, "settings": ("settings", settings)})
+    return ("TritonAccelTestFusedNorms", {"node": node, "attn1_patch": attn1_patch, "fused_norms": norms,
+                                          "settings": ("settings", settings)})
 
 
 def _sample(comfy, chain, tag):
@@ -43,8 +44,8 @@ def _kind(stats, kind):
 
 
 def test_fused_norms_match_the_unfused_patch(comfy):
-    plain, plain_stats = _sample(comfy, [("TritonAccelPatchAttention", {"settings": ("settings", {"mode": "fp16"})})],
-                                 "plain")
+    plain, plain_stats = _sample(comfy, [fused(norms="off")], "plain")
+    assert _kind(plain_stats, "norms")["served"] == 0
     latent, stats = _sample(comfy, [fused()], "fused")
     norms = _kind(stats, "norms")
     err = rel_l2(latent, plain)
@@ -57,8 +58,20 @@ def test_fused_norms_match_the_unfused_patch(comfy):
     assert err < FUSED_TOL, err
 
 
+def test_the_patch_node_fuses_wan_blocks_by_default(comfy):
+    """No setting: the plain patch node fuses Wan's blocks (TRITON_ACCEL_FUSED_NORMS unset in
+    the server), with the latent of the explicitly fused run."""
+    fused_latent, _ = _sample(comfy, [fused(norms="blocks")], "blocks")
+    latent, stats = _sample(comfy, [patch("fp16")], "default")
+    norms = _kind(stats, "norms")
+    assert norms["paths"] == {"fused_norms": STEPS_BLOCK_CALLS} and norms["handed_back"] == 0, norms
+    assert rel_l2(latent, fused_latent) < EXACT_TOL
+
+
 def test_fused_norms_with_the_linear_patch(comfy):
-    ref, ref_stats = _sample(comfy, [linear_patch("fp8", attention_mode="fp16", combined=True)], "linear")
+    ref, ref_stats = _sample(comfy, [fused_norms(linear_patch("fp8", attention_mode="fp16", combined=True), "off")],
+                             "linear")
+    assert _kind(ref_stats, "norms")["served"] == 0
     latent, stats = _sample(comfy, [fused("TritonAccelPatch", linear="fp8")], "fused_linear")
     norms, linear = _kind(stats, "norms"), _kind(stats, "linear")
     err = rel_l2(latent, ref)
@@ -73,8 +86,7 @@ def test_fused_norms_with_the_linear_patch(comfy):
 def test_blocks_with_attn1_patches_go_to_comfyui(comfy):
     """Another node's attn1 patch is applied inside WanSelfAttention: the fused block must hand
     the call back rather than skip it."""
-    ref, _ = _sample(comfy, [("TritonAccelTestFusedNorms", {"node": "TritonAccelPatchAttention", "attn1_patch": True,
-                                                             "settings": ("settings", {"mode": "off"})})], "patched_off")
+    ref, _ = _sample(comfy, [fused(attention="off", attn1_patch=True)], "patched_off")
     latent, stats = _sample(comfy, [fused(attn1_patch=True)], "patched_fused")
     norms = _kind(stats, "norms")
     print(f"\nattn1 patch: norms {norms}")
@@ -100,7 +112,8 @@ def test_flux_qk_norms_fused(comfy, family):
         entry = comfy.run(prompt)
         return read_latent(comfy, entry, save), comfy.stats()
 
-    plain, _ = sample([("TritonAccelPatchAttention", {"settings": ("settings", {"mode": "fp16"})})], "plain")
+    plain, plain_stats = sample([patch("fp16")], "plain")  # the default fuses no QKNorm
+    assert _kind(plain_stats, "norms")["served"] == 0, _kind(plain_stats, "norms")
     latent, stats = sample([fused()], "fused")
     norms = _kind(stats, "norms")
     err = rel_l2(latent, plain)
@@ -116,8 +129,7 @@ def test_torch_compile_traces_comfyuis_forward(comfy):
     (inductor fuses those ops itself): nothing counted as ours or handed back, attention still
     ours, the latent as the compiled unfused patch gives it."""
     compiled = ("TorchCompileModel", {"backend": "inductor"})
-    plain, plain_stats = _sample(comfy, [("TritonAccelPatchAttention", {"settings": ("settings", {"mode": "fp16"})}),
-                                         compiled], "plain_compiled")
+    plain, plain_stats = _sample(comfy, [fused(norms="off"), compiled], "plain_compiled")
     latent, stats = _sample(comfy, [fused(), compiled], "fused_compiled")
     norms = _kind(stats, "norms")
     err = rel_l2(latent, plain)

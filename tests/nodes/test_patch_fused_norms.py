@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from triton_accel.nodes import call_stats
+from triton_accel.kernels import env_settings
 from triton_accel.nodes import patch_fused_norms as pfn
 
 C, HEADS, HEAD_DIM, TOKENS = 64, 2, 32, 6
@@ -194,6 +195,32 @@ def test_guard_sends_a_block_that_disagrees_back_for_good():
     assert _norms()["served"] == 0 and _norms()["reasons"] == {pfn.REASON_FALLBACK: 2}, _norms()
 
 
+@pytest.mark.parametrize("agrees", [True, False])
+def test_one_check_per_model_and_device_covers_every_block(agrees):
+    """The blocks share one Guard: the first block called is compared with ComfyUI's forward,
+    the others follow its outcome without running a reference (a second forward of a Wan 14B
+    block costs its attention and MLP again)."""
+    patcher, blocks = _patched()
+    first, other = (patcher.object_patches[f"diffusion_model.blocks.{i}.forward"] for i in (0, 1))
+    assert first.guard is other.guard
+    if not agrees:
+        original = first.previous
+        first.previous = lambda *a, **k: original(*a, **k) * 1.05
+    ran = []
+    reference = other.previous
+    other.previous = lambda *a, **k: ran.append(1) or reference(*a, **k)
+    call = block_call()
+    first(**call)
+    out = other(**call)
+    if agrees:
+        assert ran == [] and other.guarded == {"cpu"}
+        assert ((out - reference(**call)).norm() / reference(**call).norm()).item() < 1e-5
+        assert _norms()["served"] == 2, _norms()
+    else:
+        assert ran == [1] and "rel. L2" in other.fallbacks["cpu"]  # ComfyUI's forward, no check
+        assert _norms()["served"] == 0 and _norms()["reasons"] == {pfn.REASON_FALLBACK: 2}, _norms()
+
+
 @pytest.mark.parametrize("case,reason", [
     ("per_frame_e", "per-frame"), ("e_dtype", "modulation in"), ("attn1_patch", "attn1/attn2"),
     ("freqs_tokens", "do not match"), ("x_width", "is not [B, L")])
@@ -269,13 +296,18 @@ def test_multigpu_clone_gets_its_own_blocks():
     assert torch.equal(patch(**call), clone_blocks[1].forward(**call))
 
 
-def test_enabled_reads_the_setting(monkeypatch):
-    monkeypatch.delenv("TRITON_ACCEL_FUSED_NORMS", raising=False)
-    assert not pfn.enabled()
-    monkeypatch.setenv("TRITON_ACCEL_FUSED_NORMS", "1")
-    assert pfn.enabled()
-    monkeypatch.setenv("TRITON_ACCEL_FUSED_NORMS", "off")
-    assert not pfn.enabled()
+@pytest.mark.parametrize("value, mode", [(None, "blocks"), ("1", "blocks"), ("on", "blocks"), ("all", "all"),
+                                         (" ALL ", "all"), ("off", "off"), ("0", "off"), ("", "off")])
+def test_enabled_reads_the_setting(monkeypatch, value, mode):
+    """Wan blocks fused by default (measured faster); Flux's QKNorms only with "all"."""
+    if value is None:
+        monkeypatch.delenv("TRITON_ACCEL_FUSED_NORMS", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_ACCEL_FUSED_NORMS", value)
+    assert env_settings.fused_norms() == mode
+    assert pfn.enabled() == (mode != "off")
+    patcher = FakePatcher(FluxLike("torch"))
+    assert pfn.patch_fused_norms(patcher, "Flux #test") == (2 if mode == "all" else 0)
 
 
 # ---- Flux's QKNorm ------------------------------------------------------------------------------
@@ -309,6 +341,11 @@ FluxRMSNorm.__name__ = FluxRMSNorm.__qualname__ = "RMSNorm"
 FluxRMSNorm.forward.__qualname__ = "RMSNorm.forward"
 
 
+@pytest.fixture
+def qk_norms_on(monkeypatch):
+    monkeypatch.setenv("TRITON_ACCEL_FUSED_NORMS", "all")  # Flux's QKNorms are patched only then
+
+
 class FluxLike(torch.nn.Module):
     def __init__(self, flavour):
         super().__init__()
@@ -327,7 +364,7 @@ def qkv(batch=1, tokens=TOKENS, dtype=torch.float32):
 
 @pytest.mark.parametrize("flavour", ["torch", "flux_scale"], ids=["comfyui_0.4_rmsnorm", "comfyui_0.3_rmsnorm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_qk_norms_are_patched_served_and_match(flavour, dtype):
+def test_qk_norms_are_patched_served_and_match(flavour, dtype, qk_norms_on):
     model = FluxLike(flavour).to(dtype)
     patcher = FakePatcher(model)
     assert pfn.patch_fused_norms(patcher, "Flux #test") == 2
@@ -345,7 +382,7 @@ def test_qk_norms_are_patched_served_and_match(flavour, dtype):
     assert _norms()["paths"] == {pfn.PATH_QK: 2} and _norms()["handed_back"] == 0, _norms()
 
 
-def test_qk_norm_guard_and_hand_backs():
+def test_qk_norm_guard_and_hand_backs(qk_norms_on):
     patcher = FakePatcher(FluxLike("torch"))
     pfn.patch_fused_norms(patcher, "Flux #test")
     patch = patcher.object_patches["diffusion_model.double_blocks.0.img_attn.norm.forward"]

@@ -13,7 +13,7 @@ The integration fixture copies this folder into the temporary ComfyUI's custom_n
   low_precision_attention=False, head dim > 256, ...) and reports the error against an fp64
   reference.
 - TritonAccelTestFusedNorms: runs TritonAccelPatchAttention or TritonAccelPatch with
-  TRITON_ACCEL_FUSED_NORMS=1 (optionally after adding a pass-through attn1 patch).
+  TRITON_ACCEL_FUSED_NORMS set (optionally after adding a pass-through attn1 patch).
 Routes: GET /triton_accel_test/spy -> recorded calls per tag, POST /triton_accel_test/spy/reset.
 """
 import json
@@ -181,22 +181,24 @@ class TritonAccelTestAttentionProbe:
 
 
 class TritonAccelTestFusedNorms:
-    """One of the pack's patch nodes run with TRITON_ACCEL_FUSED_NORMS=1 (the variable is read
-    when the node patches), optionally with a pass-through attn1 patch of "another node"
-    added first (calls carrying one must go to ComfyUI's block forward)."""
+    """One of the pack's patch nodes run with TRITON_ACCEL_FUSED_NORMS=fused_norms (all: Wan
+    blocks and Flux-layer QKNorms; blocks: the default; off: none; the variable is read when
+    the node patches), optionally with a pass-through attn1 patch of "another node" added
+    first (calls carrying one must go to ComfyUI's block forward)."""
 
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": ("MODEL",),
                              "node": (["TritonAccelPatchAttention", "TritonAccelPatch"],),
-                             "attn1_patch": ("BOOLEAN", {"default": False})},
+                             "attn1_patch": ("BOOLEAN", {"default": False}),
+                             "fused_norms": (["all", "blocks", "off"], {"default": "all"})},
                 "optional": {"settings": ("TRITON_ACCEL_SETTINGS",)}}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "patch"
     CATEGORY = "Triton Accel tests"
 
-    def patch(self, model, node, attn1_patch, settings=None):
+    def patch(self, model, node, attn1_patch, fused_norms="all", settings=None):
         import os
 
         import nodes
@@ -206,7 +208,7 @@ class TritonAccelTestFusedNorms:
             model.set_model_attn1_patch(lambda args: args["x"])
         name = "TRITON_ACCEL_FUSED_NORMS"
         before = os.environ.get(name)
-        os.environ[name] = "1"
+        os.environ[name] = fused_norms
         try:
             kwargs = {"settings": settings} if settings is not None else {}
             if node == "TritonAccelPatch":
