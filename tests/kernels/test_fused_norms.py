@@ -269,3 +269,36 @@ def test_qk_rms_norm_edge_cases():
         qkn.qk_rms_norm(q, k, w.float(), w, 1e-6)
     with pytest.raises(qkn.QKNormInputError, match="one shape"):
         qkn.qk_rms_norm(q, k[:, :1], w, w, 1e-6)
+
+
+# ---- direct launches: what jit_or_plan remembers for each fused-norm kernel -----------------
+
+def test_direct_launch_records_every_constexpr_and_the_output(monkeypatch):
+    """The third call of a signature skips Triton's JIT and launches the remembered kernel with
+    the runtime args and these constexpr values: one per constexpr of the kernel, in its order
+    (a missing one would raise here), and out_index naming the tensor the verification
+    compares, the op's output. Recorded on the CPU with the bookkeeping forced on (the
+    interpreter compiles nothing, so no plan is kept)."""
+    from triton_accel.kernels import direct_launch as dl
+
+    seen = []
+    monkeypatch.setattr(dl, "usable", lambda t: True)
+    monkeypatch.setattr(dl, "record", lambda key, kernel, grid, consts, args, out_index=None, **kw:
+                        seen.append((key, consts, args, out_index)))
+    x = activations(1, 5, 64, torch.bfloat16)
+    e = (torch.randn(1, 6, 64) * 0.3).bfloat16().chunk(6, dim=1)
+    q, k, _ = qkv_views(1, 7, 2, 32, torch.bfloat16)
+    outs = [lnm.layer_norm_modulate(x, e[0], e[1], 1e-6), nr.rms_norm_rope(x, None, comfy_rope(5, 32), 1e-6, 32),
+            qkn.qk_rms_norm(q, k, torch.ones(32, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16), 1e-6)[0]]
+    kernels = [lnm._layer_norm_modulate, nr._rms_norm_rope, qkn._qk_rms_norm]
+    assert len(seen) == 3
+    for (key, consts, args, out_index), out, kernel in zip(seen, outs, kernels):
+        assert len(consts) == len(dl.constexpr_order(kernel)), (key[1], consts)
+        assert args[out_index].data_ptr() == out.data_ptr(), key[1]
+        assert key[0] == x.device.index and key[1] in ("layer_norm_modulate", "rms_norm_rope", "qk_rms_norm")
+    # What the JIT specialises on is in the key: a 2-byte-aligned view is another signature.
+    seen.clear()
+    base = torch.randn(1, 5 * 64 + 1).bfloat16()
+    lnm.layer_norm_modulate(base[:, 1:].view(1, 5, 64), e[0], e[1], 1e-6)
+    lnm.layer_norm_modulate(base[:, :-1].view(1, 5, 64), e[0], e[1], 1e-6)
+    assert seen[0][0] != seen[1][0]
