@@ -11,7 +11,7 @@ What the PTX must show:
   producer warp's to PRODUCER_REGS, 12 warps per CTA (consumer 4 + consumer 4 + producer 1,
   padded to whole warpgroups), TMA tensor loads completing on mbarriers;
 - no local memory (spills) and shared memory within sm_90's 227 KB;
-- the loop options (not yet timed on a GPU), in the SASS of the main loop
+- the loop options (timed on an H100 in session 30, benchmarks/RESULTS.md; opt-in), in the SASS of the main loop
   (tests/compile/compile_report.py): no spills in any config's loop (none anywhere in the shipped
   default's SASS); UNROLL=2 at most a quarter of the one-tile loop's register copies a tile
   (that loop copies tile j+1's 64 score registers back at every back edge: 70-82 a tile with
