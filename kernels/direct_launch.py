@@ -109,6 +109,7 @@ def record(key, kernel, grid: tuple, consts: tuple, args: tuple, out_index: int 
 
 
 _orders: dict = {}  # @triton.jit kernel -> constexpr_order(kernel), read once
+cache_registry.register("kernels.direct_launch.orders", _orders.clear)
 
 
 def signature_key(name: str, args: tuple) -> tuple:
