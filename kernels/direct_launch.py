@@ -113,33 +113,34 @@ cache_registry.register("kernels.direct_launch.orders", _orders.clear)
 
 
 def signature_key(name: str, args: tuple) -> tuple:
-    """A direct-launch key for a kernel whose launch is a function of its runtime arguments
-    alone (grid, constexprs and options derived from them by the caller): what Triton's JIT
-    specialises on, per argument. Tensors: dtype and 16-byte alignment of the pointer; ints:
-    the value (covers the JIT's == 1 and % 16 classes); floats: nothing (never specialised)."""
+    """What Triton's JIT specialises a launch on, per runtime argument: tensors by dtype and
+    16-byte alignment of the pointer, ints by value (covers its == 1 and % 16 classes),
+    floats not at all."""
     return (name, *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
                     else a if isinstance(a, int) else float for a in args])
 
 
 def jit_or_plan(kernel, grid: tuple, args: tuple, consts: dict, out_index: int, name: str, **options) -> None:
     """kernel[grid](*args, **consts, **options) through Triton's JIT launch, or, from the
-    third call of one signature_key on (the second verifies it), the compiled kernel launched
-    directly. Only for kernels whose grid, constexprs and options follow from their runtime
-    arguments (the key holds nothing else); `consts` must name every constexpr."""
+    third call of one signature on (the second verifies it), the compiled kernel launched
+    directly. The signature is the grid, the constexpr values, the options and
+    signature_key(args): a grid or constexpr the caller derives from something outside the
+    args (a batch size, whether a pointer is a placeholder) still gets its own plan.
+    `consts` must name every constexpr of the kernel."""
     out = args[out_index]
-    key = None
-    if usable(out):
-        key = (out.device.index, *signature_key(name, args))
-        plan = lookup(key)
-        if plan is not None:
-            launch(plan, out.device.index, args)
-            return
-    compiled = kernel[grid](*args, **consts, **options)
-    if key is not None:
-        order = _orders.get(kernel)
-        if order is None:
-            order = _orders[kernel] = constexpr_order(kernel)
-        record(key, compiled, grid, tuple(consts[n] for n in order), args, out_index=out_index)
+    if not usable(out):
+        kernel[grid](*args, **consts, **options)
+        return
+    order = _orders.get(kernel)
+    if order is None:
+        order = _orders[kernel] = constexpr_order(kernel)
+    values = tuple(consts[n] for n in order)
+    key = (out.device.index, grid, values, tuple(options.items()), *signature_key(name, args))
+    plan = lookup(key)
+    if plan is not None:
+        launch(plan, out.device.index, args)
+        return
+    record(key, kernel[grid](*args, **consts, **options), grid, values, args, out_index=out_index)
 
 
 def verified_count() -> int:

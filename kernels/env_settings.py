@@ -30,7 +30,6 @@ GLUON = "TRITON_ACCEL_GLUON"
 GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
 GLUON_VARIANTS = ("default", "lean", "lean_rowsum")
 FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
-FUSED_NORMS_MODES = ("off", "blocks", "all")
 TRITON_INTERPRET = "TRITON_INTERPRET"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 
@@ -114,7 +113,7 @@ def gluon_variant() -> str:
 
 
 def fused_norms() -> str:
-    """TRITON_ACCEL_FUSED_NORMS: one of FUSED_NORMS_MODES ("blocks" when unset)."""
+    """TRITON_ACCEL_FUSED_NORMS: "off", "blocks" (when unset) or "all"."""
     value = os.environ.get(FUSED_NORMS)
     if value is None:
         return "blocks"

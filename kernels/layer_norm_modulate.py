@@ -33,7 +33,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import direct_launch
-from .kernel_common import exact_bf16, row_kernel_refusal, next_pow2
+from .kernel_common import exact_bf16, next_pow2, row_kernel_refusal
 
 if triton is not None:
     from .kernel_common import to_output_dtype

@@ -49,7 +49,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
 from . import cache_registry, direct_launch
 from . import device as _device
 from .gpu_rules import feature_refusal
-from .kernel_common import arch_family, family_in, fp8_device_refusal, sm_count, cdiv, next_pow2
+from .kernel_common import arch_family, cdiv, family_in, fp8_device_refusal, next_pow2, sm_count
 
 log = logging.getLogger("triton_accel.kernels.linear_fp8")  # not __name__: the clone's folder name
 

@@ -36,7 +36,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import device as _device
-from .kernel_common import arch_family, family_in, sm_count, cdiv
+from .kernel_common import arch_family, cdiv, family_in, sm_count
 from .linear_fp8 import epilogue_act, quantize_weight
 
 if triton is not None:

@@ -236,7 +236,7 @@ def _norm_weight(norm, x: torch.Tensor):
     """(weight in x's dtype on x's device, release) the way ComfyUI's RMSNorm gets it: cast by
     comfy.ops (LoRA weight functions, offloading, dynamic VRAM) where the module casts, its own
     parameter otherwise."""
-    weight = _fast_attr(norm, "_parameters", "weight")
+    weight = module_attr(norm, "weight")  # not getattr: nn.Module.__getattr__ costs microseconds
     if weight is None:
         return None, None
     if not _casts_weights(norm) and weight.device == x.device and weight.dtype == x.dtype:
@@ -252,15 +252,6 @@ def _norm_weight(norm, x: torch.Tensor):
     return w, None
 
 
-def _fast_attr(module: torch.nn.Module, table: str, name: str):
-    """module.<name> for a parameter (table "_parameters") or submodule ("_modules"), read
-    from its table: nn.Module.__getattr__ costs microseconds, and Flux's QKNorm path reads
-    four of these a call, ~76 calls a step. Anything else through module_attr (getattr's
-    answer)."""
-    value = module.__dict__[table].get(name, _MISSING)
-    return module_attr(module, name) if value is _MISSING else value
-
-
 def _casts_weights(module: torch.nn.Module) -> bool:
     """Whether comfy.ops casts this module's weight per call (manual cast, offloading, LoRA
     weight functions): ComfyUI sets these on the instance over class-level defaults."""
@@ -269,8 +260,6 @@ def _casts_weights(module: torch.nn.Module) -> bool:
                 or d.get("weight_function", getattr(cls, "weight_function", ()))
                 or d.get("bias_function", getattr(cls, "bias_function", ())))
 
-
-_MISSING = object()
 
 
 @functools.lru_cache(maxsize=4)
@@ -318,9 +307,7 @@ class FusedQKNorm(_GuardedPatch):
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self.previous(*args, **kwargs)
-        if len(args) != 3 or kwargs:
-            return self._original(args, kwargs, "arguments other than QKNorm's (q, k, v)")
-        q, k, v = args
+        q, k, v = args if len(args) == 3 and not kwargs else (None, None, None)
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             return self._original(args, kwargs, "arguments other than QKNorm's (q, k, v)")
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
@@ -332,8 +319,8 @@ class FusedQKNorm(_GuardedPatch):
 
     def _fused(self, q, k, v):
         module = self.module
-        (wq, eps_q, release_q), (wk, eps_k, release_k) = (_qk_weight(_fast_attr(module, "_modules", "query_norm"), q),
-                                                          _qk_weight(_fast_attr(module, "_modules", "key_norm"), k))
+        (wq, eps_q, release_q), (wk, eps_k, release_k) = (_qk_weight(module_attr(module, "query_norm"), q),
+                                                          _qk_weight(module_attr(module, "key_norm"), k))
         try:
             if eps_q != eps_k:
                 raise QKNormInputError("q and k norms with different eps")

@@ -293,12 +293,22 @@ def test_direct_launch_records_every_constexpr_and_the_output(monkeypatch):
     kernels = [lnm._layer_norm_modulate, nr._rms_norm_rope, qkn._qk_rms_norm]
     assert len(seen) == 3
     for (key, consts, args, out_index), out, kernel in zip(seen, outs, kernels):
-        assert len(consts) == len(dl.constexpr_order(kernel)), (key[1], consts)
-        assert args[out_index].data_ptr() == out.data_ptr(), key[1]
-        assert key[0] == x.device.index and key[1] in ("layer_norm_modulate", "rms_norm_rope", "qk_rms_norm")
-    # What the JIT specialises on is in the key: a 2-byte-aligned view is another signature.
+        device, grid, values, options, name = key[:5]  # then signature_key(args) past the name
+        assert len(consts) == len(dl.constexpr_order(kernel)) and values == consts, (name, consts)
+        assert args[out_index].data_ptr() == out.data_ptr(), name
+        assert device == x.device.index and name in ("layer_norm_modulate", "rms_norm_rope", "qk_rms_norm")
+    # What the JIT specialises on is in the key: a 2-byte-aligned view is another signature; so
+    # are what the launcher derives from outside the args: the grid (a second batch element,
+    # same tokens and strides) and a constexpr (a norm with its weight, where the call above had
+    # a placeholder pointer of the same dtype).
+    rope_without_weight = seen[1][0]
     seen.clear()
     base = torch.randn(1, 5 * 64 + 1).bfloat16()
     lnm.layer_norm_modulate(base[:, 1:].view(1, 5, 64), e[0], e[1], 1e-6)
     lnm.layer_norm_modulate(base[:, :-1].view(1, 5, 64), e[0], e[1], 1e-6)
-    assert seen[0][0] != seen[1][0]
+    lnm.layer_norm_modulate(activations(2, 5, 64, torch.bfloat16), e[0], e[1], 1e-6)
+    nr.rms_norm_rope(x, torch.ones(64, dtype=torch.bfloat16), comfy_rope(5, 32), 1e-6, 32)
+    misaligned, aligned, batch2, rope_with_weight = (key for key, *_ in seen)
+    assert misaligned != aligned
+    assert batch2 != aligned
+    assert rope_with_weight != rope_without_weight
