@@ -408,7 +408,7 @@ def fast_launch_state() -> dict:
 
 
 COMPILED_SUFFIX = "+compile"
-GLUON_VARIANT_SUFFIXES = ("lean", "lean_rowsum")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
+GLUON_VARIANT_SUFFIXES = ("lean", "classic", "lean_rowsum")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
 # +norms / +nonorms: TRITON_ACCEL_FUSED_NORMS=all / off (unset otherwise: the pack's default)
 NORMS_SUFFIXES = {"norms": "all", "nonorms": "off"}
 

@@ -5,13 +5,16 @@ shapes):
 - rms_norm_rope vs torch's rms_norm then RoPE: comfy-kitchen's apply_rope1 where it is
   importable (what ComfyUI 0.29 runs with comfy-kitchen's CUDA backend), and ComfyUI's eager
   _apply_rope1 written out in torch (what it runs without);
-- qk_rms_norm vs torch's rms_norm on Flux's permuted q and k views (copy + norm, twice).
+- qk_rms_norm vs torch's rms_norm on Flux's permuted q and k views (copy + norm, twice);
+- gated_residual_layer_norm vs addcmul(x, y, e[2]) then norm3's affine LayerNorm, and
+  gated_residual vs the block's last addcmul(x, y, e[5]) (Wan's block).
 
     python benchmarks/fused_norms_bench.py [--out DIR] [--shapes wan14b,wan1.3b]
 
 Random bf16 activations with outlier channels; `triton.testing.do_bench` medians; effective
-bandwidth counts one read and one write of the activation (what a single pass must move) for
-every variant, so the ratio of times and of "GB/s" is the same. Accuracy: bit-identical share
+bandwidth counts what a single pass must move (one read and one write of the activation; four
+activations for the residual + LayerNorm, three for the gated residual) for every variant of an
+op, so the ratio of times and of "GB/s" is the same. Accuracy: bit-identical share
 and rel. L2 of ours against the torch sequence. Prints the table last; writes fused_norms.json.
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ pack = load_pack()
 lnm = importlib.import_module(pack.__name__ + ".kernels.layer_norm_modulate")
 nr = importlib.import_module(pack.__name__ + ".kernels.norm_rope")
 qkn = importlib.import_module(pack.__name__ + ".kernels.qk_norm")
+grn = importlib.import_module(pack.__name__ + ".kernels.gated_residual_norm")
 
 # name -> (tokens, heads, head_dim): Wan 2.1 14B at 480p x 81 frames, 1.3B at the same size;
 # Flux at 1024x1024 (4096 image tokens; the QK norm alone: Flux's blocks are not Wan's).
@@ -80,9 +84,9 @@ def run_shape(name, tokens, heads, head_dim, device, bench):
     moved = 2 * x.numel() * x.element_size()
     rows = []
 
-    def row(op, variant, fn, reference=None):
+    def row(op, variant, fn, reference=None, passes=2):
         ms = bench(fn)
-        entry = dict(shape=name, op=op, variant=variant, ms=ms, gb_s=moved / ms / 1e6)
+        entry = dict(shape=name, op=op, variant=variant, ms=ms, gb_s=passes * moved / 2 / ms / 1e6)
         if reference is not None:
             entry.update(compare(fn(), reference))
         rows.append(entry)
@@ -130,6 +134,28 @@ def run_shape(name, tokens, heads, head_dim, device, bench):
     else:
         rows.append(dict(shape=name, op="rmsnorm+rope", variant="comfy-kitchen rope", error=kitchen))
     row("rmsnorm+rope", "ours fused", lambda: nr.rms_norm_rope(x, weight, freqs, 1e-6, head_dim), ref)
+    # The same kernel with the row in one padded power-of-two block (8192 lanes for 5120 channels).
+    row("rmsnorm+rope", "ours fused, one padded block",
+        lambda: nr._launch(x, weight, freqs, 1e-6, head_dim, split=False), ref)
+
+    # After the self-attention: x = addcmul(x, y, e[2]) then norm3(x) (affine LayerNorm), what
+    # the cross-attention reads; a single pass must read x and y and write x and norm3(x).
+    y = (torch.randn(1, tokens, c, device=device, generator=g) * 0.5).to(torch.bfloat16)
+    bias = (torch.randn(c, device=device, generator=g) * 0.1).to(torch.bfloat16)
+
+    def torch_residual_norm3():
+        h = torch.addcmul(x, y, e[2])
+        return h, torch.nn.functional.layer_norm(h, (c,), weight, bias, 1e-6)
+
+    ref = torch_residual_norm3()[1]
+    row("residual+layernorm", "torch addcmul + layer_norm (ComfyUI)", torch_residual_norm3, passes=4)
+    row("residual+layernorm", "ours fused",
+        lambda: grn.gated_residual_layer_norm(x, y, e[2], 1e-6, weight, bias), passes=4)
+    rows[-1].update(compare(grn.gated_residual_layer_norm(x, y, e[2], 1e-6, weight, bias)[1], ref))
+    # The block's last op: addcmul(x, y, e[5]) (reads x and y, writes x).
+    ref = torch.addcmul(x, y, e[5])
+    row("gated residual", "torch addcmul (ComfyUI)", lambda: torch.addcmul(x, y, e[5]), passes=3)
+    row("gated residual", "ours", lambda: grn.gated_residual(x, y, e[5]), ref, passes=3)
     return rows
 
 
@@ -156,7 +182,7 @@ def main():
     (Path(args.out) / "fused_norms.json").write_text(json.dumps(
         dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows), indent=1))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
-    print("shape | op | variant | ms | GB/s (1 read + 1 write) | vs first | identical | rel L2")
+    print("shape | op | variant | ms | GB/s (what one pass must move) | vs first | identical | rel L2")
     first = {}
     for r in rows:
         if "error" in r:

@@ -79,8 +79,10 @@ LOG2_P_SCALE = 8.8073
 # are compile-checked here (tests/compile/test_compile_gluon_hopper.py). On an H100 (session 30,
 # benchmarks/RESULTS.md) "sm90_lean"'s kernel ran 832 / 747 TFLOP/s at Wan / Flux against
 # "sm90"'s 795 / 700, but its quantiser then stored V's permuted keys byte by byte (16 % of the
-# Wan call); that is fixed and not re-timed, so "sm90" stays the default. "sm90_lean_rowsum"
-# fails the Gaussian accuracy bar (cosine 0.974 at Wan: e4m3 row sums are too coarse).
+# Wan call). With that fixed (session 31, H100): kernel 824 / 748 against 800 / 686, and the
+# Wan 2.1 14B step 1975 ms against 2049 (two fresh processes each, the same accuracy), so
+# "sm90_lean" is the default (default_config). "sm90_lean_rowsum" fails the Gaussian accuracy
+# bar (cosine 0.974 at Wan: e4m3 row sums are too coarse).
 _LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False)
 GLUON_CONFIGS = {
     "sm90": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24, **_LOOP_DEFAULTS),
@@ -558,19 +560,27 @@ def _ones_descriptor(device: torch.device, block_n: int):
 cache_registry.register("kernels.attention_gluon_hopper.ones_descriptor", _ones_descriptor.cache_clear)
 
 
+# TRITON_ACCEL_GLUON_VARIANT -> the FP8 config default_config() returns.
+_VARIANT_CONFIGS = {"default": "sm90_lean", "lean": "sm90_lean", "classic": "sm90", "lean_rowsum": "sm90_lean_rowsum"}
+
+
 def default_config(device=None) -> dict:
-    """GLUON_CONFIGS["sm90"], or "sm90_<variant>" under TRITON_ACCEL_GLUON_VARIANT=lean /
-    lean_rowsum (benchmarks)."""
+    """GLUON_CONFIGS["sm90_lean"] (the measured loop: session 31 on an H100, 3-9 % faster kernels
+    than "sm90" and 74 ms less per Wan 2.1 14B step), "sm90" under TRITON_ACCEL_GLUON_VARIANT=
+    classic, "sm90_lean_rowsum" under lean_rowsum (benchmarks)."""
     del device  # one target: sm_90
-    variant = env_settings.gluon_variant()
-    return dict(GLUON_CONFIGS["sm90" if variant == "default" else f"sm90_{variant}"])
+    return dict(GLUON_CONFIGS[_VARIANT_CONFIGS[env_settings.gluon_variant()]])
+
 
 
 def attention_gluon_fp8(q, k, v, scale=None, config=None, n_outlier: int = N_OUTLIER):
     """softmax(q k^T * scale) v with Q.K^T and P.V in e4m3 on sm_90, quantisation included;
     q, k, v [B, H, L, D] fp16/bf16 (any strides, D <= 128, no mask, no causal, no GQA, any
-    lengths >= 1); output in q's dtype, a contiguous [B, H, Lq, D] tensor. Raises
-    GluonUnsupportedError with the reason when the device, Triton or the call is refused."""
+    lengths >= 1); output in q's dtype, [B, H, Lq, D] in q's memory layout (torch.empty_like):
+    for ComfyUI's q, a view of [B, Lq, H, D] memory, the [B, Lq, H * D] it hands back is then a
+    view, not a transposing copy (0.3-0.4 ms a call at Wan 2.1 14B; torch's flash SDPA allocates
+    its output the same way). Raises GluonUnsupportedError with the reason when the device,
+    Triton or the call is refused."""
     reason = call_refusal(q, k, v) or gluon_refusal(q.device)
     if reason:
         raise GluonUnsupportedError(f"attention_gluon_fp8: {reason}")
@@ -581,7 +591,8 @@ def attention_gluon_fp8(q, k, v, scale=None, config=None, n_outlier: int = N_OUT
     if k.shape[2] == 0:
         raise GluonUnsupportedError("attention_gluon_fp8: zero keys (softmax over nothing)")
     qkv = quantize_for_config(q, k, v, scale, config, n_outlier)
-    return attention_gluon_fp8_quantized(qkv, q.shape, k.shape[2], q.dtype, q.device, config)
+    return attention_gluon_fp8_quantized(qkv, q.shape, k.shape[2], q.dtype, q.device, config,
+                                         out=torch.empty_like(q))
 
 
 def quantize_for_config(q, k, v, scale: float, config: dict, n_outlier: int = N_OUTLIER):
@@ -591,10 +602,14 @@ def quantize_for_config(q, k, v, scale: float, config: dict, n_outlier: int = N_
                         v_key_perm=bool(loop_options(config)["PERM_P"]))
 
 
-def attention_gluon_fp8_quantized(qkv, q_shape, lk: int, dtype, device, config):
-    """The Gluon kernel alone on quantize_qkv(..., block_m=128, block_n=config's BLOCK_N)."""
+def attention_gluon_fp8_quantized(qkv, q_shape, lk: int, dtype, device, config, out=None):
+    """The Gluon kernel alone on quantize_qkv(..., block_m=128, block_n=config's BLOCK_N), into
+    `out` ([B, H, Lq, D] of `dtype`, any strides) or a new contiguous tensor."""
     B, H, Lq, D = q_shape
-    out = torch.empty(B, H, Lq, D, dtype=dtype, device=device)
+    if out is None:
+        out = torch.empty(B, H, Lq, D, dtype=dtype, device=device)
+    elif out.shape != (B, H, Lq, D) or out.dtype != dtype:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not [{B}, {H}, {Lq}, {D}] {dtype}")
     bh, lq_pad, block_d = qkv.q8.shape
     lk_pad = qkv.k8.shape[1]
     if qkv.block_m != BLOCK_M or qkv.block_n != config["BLOCK_N"]:

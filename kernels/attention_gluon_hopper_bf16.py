@@ -90,7 +90,7 @@ def default_config(head_dim: int) -> dict:
     """The measured config of this head dim's block; its *_unroll twin, where there is one,
     under TRITON_ACCEL_GLUON_VARIANT=lean or lean_rowsum (benchmarks)."""
     name = f"sm90_d{block_head_dim(head_dim)}"
-    if env_settings.gluon_variant() != "default" and f"{name}_unroll" in GLUON_BF16_CONFIGS:
+    if env_settings.gluon_variant() in ("lean", "lean_rowsum") and f"{name}_unroll" in GLUON_BF16_CONFIGS:
         name += "_unroll"
     return dict(GLUON_BF16_CONFIGS[name])
 

@@ -56,14 +56,23 @@ def lookup(key) -> Plan | None:
 _triton_mods: tuple | None = None  # (knobs, driver), imported once: this runs on every call
 
 
-def launch(plan: Plan, device_index: int, args: tuple) -> None:
+def _triton_runtime() -> tuple:
     global _triton_mods
     if _triton_mods is None:
         from triton import knobs
         from triton.runtime import driver
 
         _triton_mods = (knobs, driver)
-    knobs, driver = _triton_mods
+    return _triton_mods
+
+
+def current_stream(device_index: int) -> int:
+    """The raw handle of the stream launches on this device go to now."""
+    return _triton_runtime()[1].active.get_current_stream(device_index)
+
+
+def launch(plan: Plan, device_index: int, args: tuple) -> None:
+    knobs, driver = _triton_runtime()
     stream = driver.active.get_current_stream(device_index)
     full = (*args, *plan.consts)
     kernel, grid = plan.kernel, plan.grid

@@ -28,7 +28,7 @@ FAST_LAUNCH = "TRITON_ACCEL_FAST_LAUNCH"
 CACHE_DIR = "TRITON_ACCEL_CACHE_DIR"
 GLUON = "TRITON_ACCEL_GLUON"
 GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
-GLUON_VARIANTS = ("default", "lean", "lean_rowsum")
+GLUON_VARIANTS = ("default", "lean", "classic", "lean_rowsum")
 FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
@@ -57,17 +57,19 @@ SETTINGS = (
             "has Gluon and the kernel compiles there; off (any false word): always the plain-Triton "
             "full-FP8 kernel. Any other value means auto."),
     Setting(GLUON_VARIANT, "default",
-            "Loop shape of the Gluon attention kernels on sm_90: default (the measured one), lean "
-            "(FP8: two key tiles a loop trip, P handed to P.V without shuffles, early rescale; BF16 at "
-            "head dims 64 and 128: two key tiles a trip) or lean_rowsum (lean, and FP8's row sums of P "
-            "on the tensor cores). Timed on an H100: lean's FP8 loop is 5-7 % faster, its quantiser "
-            "was slower (fixed since, not re-timed); lean_rowsum fails the accuracy bar. Opt-in, for "
-            "side-by-side benchmarks. Any other value means default."),
+            "Loop shape of the Gluon attention kernels on sm_90, for side-by-side benchmarks. default: "
+            "the measured ones (FP8: the lean loop, two key tiles a loop trip, P handed to P.V without "
+            "shuffles, early rescale: 3-9 % faster kernels on an H100 and 74 ms less per Wan 2.1 14B "
+            "step; BF16: one key tile a trip). lean: also BF16's two-tiles-a-trip loop at head dims 64 "
+            "and 128. classic: the FP8 loop shipped before (one key tile a trip). lean_rowsum: lean "
+            "with FP8's row sums of P on the tensor cores (fails the accuracy bar). Any other value "
+            "means default."),
     Setting(FUSED_NORMS, "blocks",
             "Patch nodes that put our attention into a model also fuse its norms. blocks (the "
             "default, and any value but the false words and all): Wan blocks' LayerNorm + "
-            "modulation and q/k RMSNorm + RoPE, one pass each (measured: 53-65 ms less per Wan 2.1 "
-            "14B step on an H100). all: also the per-head q/k RMSNorm of every QKNorm in ComfyUI's "
+            "modulation, q/k RMSNorm + RoPE and gated residual + LayerNorm, one pass each, and the "
+            "last gated residual vectorised (measured: 53-65 ms less per Wan 2.1 14B step on an H100 "
+            "with the first two). all: also the per-head q/k RMSNorm of every QKNorm in ComfyUI's "
             "Flux layers (Flux, Chroma, HunyuanVideo), which costs more host time per call than it "
             "saves on the GPU where the step is host-bound (Flux on an H100). Off (any false word): "
             "none. The first call of each fused block is checked against ComfyUI's."))

@@ -202,6 +202,20 @@ if triton is not None:
         return off
 
     @triton.jit
+    def layer_norm_row(x, mask, C, eps, W, B, offs, HAS_AFFINE: tl.constexpr):
+        # LayerNorm of one fp32 row held in registers: mean and variance in two passes (as exact
+        # as torch's Welford); padded lanes (mask off, loaded as 0) must not add (0 - mean)^2 to
+        # the variance. Times weight plus bias in fp32 when affine; the caller rounds.
+        mean = tl.sum(x, 0) / C
+        centred = tl.where(mask, x - mean, 0.0)
+        rstd = tl.math.rsqrt(tl.sum(centred * centred, 0) / C + eps)
+        y = centred * rstd
+        if HAS_AFFINE:
+            y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) \
+                + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        return y
+
+    @triton.jit
     def to_output_dtype(y, DTYPE: tl.constexpr, EXACT_BF16: tl.constexpr):
         # fp32 -> DTYPE, rounding to nearest even. GPUs' cvt.rn does; the Triton interpreter
         # truncates fp32 -> bf16 (half of all values land one ulp low), so under it
@@ -217,6 +231,22 @@ if triton is not None:
 def exact_bf16(x: torch.Tensor) -> bool:
     """The EXACT_BF16 constexpr of to_output_dtype(): a bf16 output under the interpreter."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+def batch_vector(m: torch.Tensor, name: str, x: torch.Tensor, batch: int, channels: int, error) -> torch.Tensor:
+    """A modulation or gate vector of the fused norm kernels, [B or 1, 1, C] or [B or 1, C] in
+    x's dtype on x's device (one vector per batch element, broadcast over its tokens), as
+    [Bm, C] with unit last stride; raises `error(reason)` for anything else."""
+    if m.dtype != x.dtype or m.device != x.device:
+        raise error(f"{name} must be {x.dtype} on {x.device} (got {m.dtype} on {m.device})")
+    shape = tuple(m.shape)
+    if len(shape) == 3 and shape[1] == 1:
+        shape = (shape[0], shape[2])
+    if len(shape) != 2 or shape[1] != channels or shape[0] not in (1, batch):
+        raise error(f"{name} of shape {tuple(m.shape)} is not one vector per batch element "
+                    f"([{batch} or 1, 1, {channels}])")
+    m2 = m.reshape(shape)
+    return m2 if m2.stride(-1) == 1 else m2.contiguous()
 
 
 def row_kernel_refusal(device: torch.device) -> str | None:

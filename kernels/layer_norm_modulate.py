@@ -33,10 +33,10 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import direct_launch
-from .kernel_common import exact_bf16, next_pow2, row_kernel_refusal
+from .kernel_common import batch_vector, exact_bf16, next_pow2, row_kernel_refusal
 
 if triton is not None:
-    from .kernel_common import to_output_dtype
+    from .kernel_common import layer_norm_row, to_output_dtype
 
 log = logging.getLogger("triton_accel.kernels.layer_norm_modulate")  # not __name__: the clone's folder name
 
@@ -65,14 +65,7 @@ if triton is not None:
         offs = tl.arange(0, BLOCK_C)
         mask = offs < C
         x = tl.load(X + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, 0) / C
-        # Padded lanes must not add (0 - mean)^2 to the variance.
-        centred = tl.where(mask, x - mean, 0.0)
-        rstd = tl.math.rsqrt(tl.sum(centred * centred, 0) / C + eps)
-        y = centred * rstd
-        if HAS_AFFINE:
-            y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32) \
-                + tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        y = layer_norm_row(x, mask, C, eps, W, B, offs, HAS_AFFINE)
         # LayerNorm's output is in x's dtype, and so is ComfyUI's `1 + scale`: round as they do.
         y = to_output_dtype(y, Y.dtype.element_ty, EXACT_BF16).to(tl.float32)
         shift = tl.load(SHIFT + batch * stride_mb + offs, mask=mask, other=0.0).to(tl.float32)
@@ -87,20 +80,6 @@ def _warps(block_c: int) -> int:
         if block_c <= width:
             return warps
     return LAYER_NORM_MODULATE_WARPS[-1][1]
-
-
-def _modulation(m: torch.Tensor, name: str, x: torch.Tensor, batch: int, channels: int) -> torch.Tensor:
-    """`m` as [Bm, C] with unit last stride (Bm 1 or batch)."""
-    if m.dtype != x.dtype or m.device != x.device:
-        raise LayerNormModulateInputError(f"{name} must be {x.dtype} on {x.device} (got {m.dtype} on {m.device})")
-    shape = tuple(m.shape)
-    if len(shape) == 3 and shape[1] == 1:
-        shape = (shape[0], shape[2])
-    if len(shape) != 2 or shape[1] != channels or shape[0] not in (1, batch):
-        raise LayerNormModulateInputError(
-            f"{name} of shape {tuple(m.shape)} is not one vector per batch element ([{batch} or 1, 1, {channels}])")
-    m2 = m.reshape(shape)
-    return m2 if m2.stride(-1) == 1 else m2.contiguous()
 
 
 def _check(x: torch.Tensor, weight, bias) -> tuple[int, int, int]:
@@ -124,8 +103,8 @@ def _check(x: torch.Tensor, weight, bias) -> tuple[int, int, int]:
 
 def _launch(x, shift, scale, eps: float, weight, bias) -> torch.Tensor:
     batch, tokens, channels = _check(x, weight, bias)
-    shift2 = _modulation(shift, "shift", x, batch, channels)
-    scale2 = _modulation(scale, "scale", x, batch, channels)
+    shift2 = batch_vector(shift, "shift", x, batch, channels, LayerNormModulateInputError)
+    scale2 = batch_vector(scale, "scale", x, batch, channels, LayerNormModulateInputError)
     if shift2.shape != scale2.shape or shift2.stride() != scale2.stride():
         shift2, scale2 = (shift2.expand(max(shift2.shape[0], scale2.shape[0]), channels).contiguous(),
                           scale2.expand(max(shift2.shape[0], scale2.shape[0]), channels).contiguous())
@@ -155,8 +134,8 @@ def layer_norm_modulate_ref(x: torch.Tensor, shift: torch.Tensor, scale: torch.T
     """The float32 reference, written as ComfyUI computes it: layer_norm in x's dtype, then
     addcmul(shift, norm, 1 + scale) with `1 + scale` in the modulation's dtype."""
     batch, tokens, channels = _check(x, weight, bias)
-    shift2 = _modulation(shift, "shift", x, batch, channels)
-    scale2 = _modulation(scale, "scale", x, batch, channels)
+    shift2 = batch_vector(shift, "shift", x, batch, channels, LayerNormModulateInputError)
+    scale2 = batch_vector(scale, "scale", x, batch, channels, LayerNormModulateInputError)
     norm = torch.nn.functional.layer_norm(x.float(), (channels,), None if weight is None else weight.float(),
                                           None if bias is None else bias.float(), eps).to(x.dtype).float()
     one_plus = (1 + scale2).float()
@@ -193,8 +172,8 @@ def layer_norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tenso
         raise LayerNormModulateInputError(reason)
     if _REGISTRATION_ERROR is None and torch.compiler.is_compiling():
         batch, _, channels = _check(x, weight, bias)
-        _modulation(shift, "shift", x, batch, channels)
-        _modulation(scale, "scale", x, batch, channels)
+        batch_vector(shift, "shift", x, batch, channels, LayerNormModulateInputError)
+        batch_vector(scale, "scale", x, batch, channels, LayerNormModulateInputError)
         return torch.ops.triton_accel.layer_norm_modulate(x, shift, scale, float(eps), weight, bias)
     return _launch(x, shift, scale, eps, weight, bias)  # eager: no custom-op dispatch; _launch checks
 

@@ -34,6 +34,7 @@ of 16 (TMA strides and MMA depth); M is anything.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -671,16 +672,44 @@ class DirectCall:
                 or (act_out is None) != (self.act_out_align is None)
                 or (act_out is not None and act_out.data_ptr() % 16 != self.act_out_align)):
             return None
-        m, n, k, device = self.m, self.n, self.k, self.device
-        x2d = x.view(m, k)
-        y = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device)
-        s = torch.empty((m,), dtype=torch.float32, device=device)
+        m, n, device = self.m, self.n, self.device
+        y, s = self._quantized(x, quant)
         out = torch.empty((m, n), dtype=self.out_dtype, device=device)
-        direct_launch.launch(quant, self.device_index, (x2d, y, s, k, k))
         direct_launch.launch(gemm, self.device_index, _gemm_args(
             self.tma, y, s, self.w, s if bias is None else bias, out, self.blocks, self.act_from, self.w_desc,
             None if act_out is None else act_out.view(m, n - self.act_from)))
         return out
+
+    def _quantized(self, x: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 rows, scales) of x: the last ones made, where they were made from this very
+        tensor (the same object, unmodified since: its version counter, shared with its views,
+        counts in-place writes) on this stream with this key; else quantised now and kept. Wan's
+        q, k and v (and diffusers-style to_q/to_k/to_v) read one activation: one quantisation
+        instead of three."""
+        index = self.device_index
+        stream = direct_launch.current_stream(index)
+        memo = _quant_memo.get(index)
+        if (memo is not None and memo[0]() is x and memo[1] == x._version and memo[2] == self.quant_key
+                and memo[3] == stream):
+            return memo[4], memo[5]
+        m, k, device = self.m, self.k, self.device
+        y = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device)
+        s = torch.empty((m,), dtype=torch.float32, device=device)
+        direct_launch.launch(quant, index, (x.view(m, k), y, s, k, k))
+        _quant_memo[index] = (weakref.ref(x, _forget_quantized), x._version, self.quant_key, stream, y, s)
+        return y, s
+
+
+# Device index -> (weakref to the activation, its version, quant key, stream, e4m3 rows, scales):
+# DirectCall's last quantisation per device, dropped with the activation it was made from.
+_quant_memo: dict = {}
+cache_registry.register("kernels.linear_fp8.quant_memo", _quant_memo.clear)
+
+
+def _forget_quantized(ref) -> None:
+    for index, memo in list(_quant_memo.items()):
+        if memo[0] is ref:
+            _quant_memo.pop(index, None)
 
 
 def direct_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

@@ -46,8 +46,8 @@ log = logging.getLogger("triton_accel.kernels.norm_rope")  # not __name__: the c
 
 OP_QUALNAME = "triton_accel::rms_norm_rope"
 MAX_CHANNELS = 16384  # one row in registers: 8192 pairs x 2 fp32 values spread over 16 warps
-# Warps per program by row width (pairs of channels): a 5120-wide row is 2560 pairs, 8 warps
-# give each thread 10-16 pairs (the 4096-wide padded block), enough loads in flight per row.
+# Warps per program by the row's first block (pairs of channels): a 5120-wide row is blocks of
+# 4096 + 1024 channels, 8 warps give each thread 8 + 2 pairs, enough loads in flight per row.
 NORM_ROPE_WARPS = ((1024, 4), (4096, 8), (MAX_CHANNELS // 2, 16))
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -63,40 +63,68 @@ class NormRopeInputError(ValueError):
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_rope(X, W, F, Y, L, C, stride_xm, stride_ym, stride_fb, stride_fl, eps,
-                       HALF_D: tl.constexpr, BLOCK_C: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                       EXACT_BF16: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        batch = row // L
-        token = row - batch * L
-        offs = tl.arange(0, BLOCK_C)
+    def _rotate_store(x, rstd, W, F_tok, y_row, start, C, BLOCK: tl.constexpr, HALF_D: tl.constexpr,
+                      HAS_WEIGHT: tl.constexpr, EXACT_BF16: tl.constexpr):
+        offs = start + tl.arange(0, BLOCK)
         mask = offs < C
-        x = tl.load(X + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-        # Padded channels load 0 and add nothing to the sum; the divisor is the true width.
-        rstd = tl.math.rsqrt(tl.sum(x * x, 0) / C + eps)
         y = x * rstd
         if HAS_WEIGHT:
             y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
         # rms_norm's output is in the input dtype: round here as it does.
-        y = to_output_dtype(y, Y.dtype.element_ty, EXACT_BF16).to(tl.float32)
+        y = to_output_dtype(y, y_row.dtype.element_ty, EXACT_BF16).to(tl.float32)
         # Channel pairs (2i, 2i + 1) of each head: split the row into its even and odd lanes.
-        y_even, y_odd = tl.split(tl.reshape(y, (BLOCK_C // 2, 2)))
-        pair = tl.arange(0, BLOCK_C // 2)
-        f_ptr = F + batch * stride_fb + token * stride_fl + (pair % HALF_D) * 4
-        f_mask = pair < C // 2
-        f00 = tl.load(f_ptr, mask=f_mask, other=0.0)
-        f01 = tl.load(f_ptr + 1, mask=f_mask, other=0.0)
-        f10 = tl.load(f_ptr + 2, mask=f_mask, other=0.0)
-        f11 = tl.load(f_ptr + 3, mask=f_mask, other=0.0)
-        out_even = f00 * y_even + f01 * y_odd
-        out_odd = f10 * y_even + f11 * y_odd
-        out = tl.reshape(tl.join(out_even, out_odd), (BLOCK_C,))
-        tl.store(Y + row * stride_ym + offs, to_output_dtype(out, Y.dtype.element_ty, EXACT_BF16), mask=mask)
+        y_even, y_odd = tl.split(tl.reshape(y, (BLOCK // 2, 2)))
+        # The token's table holds f[i, a, b] at (2i + a) * 2 + b, i.e. channel c's two
+        # coefficients at 2 * (c % head_dim): the block's 2 * BLOCK floats are one contiguous run
+        # modulo the table (every head repeats it), so they load as wide vectors, not gathers.
+        f_idx = 2 * start + tl.arange(0, 2 * BLOCK)
+        f = tl.load(F_tok + f_idx % (4 * HALF_D), mask=f_idx < 2 * C, other=0.0)
+        f_b0, f_b1 = tl.split(tl.reshape(f, (BLOCK // 2, 2, 2)))  # [pair, a]: f[i, a, 0], f[i, a, 1]
+        f00, f10 = tl.split(f_b0)
+        f01, f11 = tl.split(f_b1)
+        out = tl.reshape(tl.join(f00 * y_even + f01 * y_odd, f10 * y_even + f11 * y_odd), (BLOCK,))
+        tl.store(y_row + offs, to_output_dtype(out, y_row.dtype.element_ty, EXACT_BF16), mask=mask)
+
+    @triton.jit
+    def _rms_norm_rope(X, W, F, Y, L, C, stride_xm, stride_ym, stride_fb, stride_fl, eps,
+                       HALF_D: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+                       HAS_WEIGHT: tl.constexpr, EXACT_BF16: tl.constexpr):
+        # The row is held in registers as two power-of-two blocks, BLOCK_A channels from 0 and
+        # BLOCK_B (0: none) from BLOCK_A: 5120 = 4096 + 1024 and 1536 = 1024 + 512 need no
+        # padded lanes, where one power-of-two block would be 37.5 % / 25 % padding.
+        row = tl.program_id(0).to(tl.int64)
+        batch = row // L
+        token = row - batch * L
+        x_row = X + row * stride_xm
+        y_row = Y + row * stride_ym
+        f_tok = F + batch * stride_fb + token * stride_fl
+        offs_a = tl.arange(0, BLOCK_A)
+        x_a = tl.load(x_row + offs_a, mask=offs_a < C, other=0.0).to(tl.float32)
+        # Padded channels load 0 and add nothing to the sum; the divisor is the true width.
+        sum_sq = tl.sum(x_a * x_a, 0)
+        if BLOCK_B > 0:
+            offs_b = BLOCK_A + tl.arange(0, BLOCK_B)
+            x_b = tl.load(x_row + offs_b, mask=offs_b < C, other=0.0).to(tl.float32)
+            sum_sq += tl.sum(x_b * x_b, 0)
+        rstd = tl.math.rsqrt(sum_sq / C + eps)
+        _rotate_store(x_a, rstd, W, f_tok, y_row, 0, C, BLOCK_A, HALF_D, HAS_WEIGHT, EXACT_BF16)
+        if BLOCK_B > 0:
+            _rotate_store(x_b, rstd, W, f_tok, y_row, BLOCK_A, C, BLOCK_B, HALF_D, HAS_WEIGHT, EXACT_BF16)
 
 
-def _warps(block_c: int) -> int:
+def row_blocks(channels: int, split: bool = True) -> tuple[int, int]:
+    """(BLOCK_A, BLOCK_B) for a row of `channels` (even): the largest power of two that fits and
+    the remainder padded to a power of two, or (next power of two, 0) when not `split`."""
+    if not split:
+        return next_pow2(channels, 2), 0
+    block_a = 1 << (channels.bit_length() - 1)
+    rest = channels - block_a
+    return block_a, (next_pow2(rest, 2) if rest else 0)
+
+
+def _warps(block_a: int) -> int:
     for pairs, warps in NORM_ROPE_WARPS:
-        if block_c // 2 <= pairs:
+        if block_a // 2 <= pairs:
             return warps
     return NORM_ROPE_WARPS[-1][1]
 
@@ -140,7 +168,8 @@ def _check(x: torch.Tensor, weight, freqs: torch.Tensor, head_dim: int) -> tuple
     return batch, tokens, channels
 
 
-def _launch(x: torch.Tensor, weight, freqs: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight, freqs: torch.Tensor, eps: float, head_dim: int,
+            split: bool = True) -> torch.Tensor:
     batch, tokens, channels = _check(x, weight, freqs, head_dim)
     table = freqs_table(freqs, batch, tokens, head_dim)
     x2d = x.reshape(-1, channels)
@@ -150,13 +179,14 @@ def _launch(x: torch.Tensor, weight, freqs: torch.Tensor, eps: float, head_dim: 
     rows = x2d.shape[0]
     if rows == 0:
         return out
-    block_c = next_pow2(channels, 1)
+    block_a, block_b = row_blocks(channels, split)
     stride_fb = table.stride(0) if table.shape[0] > 1 else 0
     w = weight if weight is not None else x2d  # never read without HAS_WEIGHT
     args = (x2d, w, table, out.view(-1, channels), tokens, channels, x2d.stride(0), channels, stride_fb,
             table.stride(1), float(eps))
-    consts = dict(HALF_D=head_dim // 2, BLOCK_C=block_c, HAS_WEIGHT=weight is not None, EXACT_BF16=exact_bf16(x))
-    direct_launch.jit_or_plan(_rms_norm_rope, (rows,), args, consts, 3, "rms_norm_rope", num_warps=_warps(block_c))
+    consts = dict(HALF_D=head_dim // 2, BLOCK_A=block_a, BLOCK_B=block_b, HAS_WEIGHT=weight is not None,
+                  EXACT_BF16=exact_bf16(x))
+    direct_launch.jit_or_plan(_rms_norm_rope, (rows,), args, consts, 3, "rms_norm_rope", num_warps=_warps(block_a))
     return out
 
 
@@ -212,12 +242,14 @@ def compile_specs(dtype: str = "bf16", channels: int = 5120, head_dim: int = 128
     launch on a contiguous [M, channels] activation."""
     sig = {"X": f"*{dtype}", "W": f"*{dtype}", "F": "*fp32", "Y": f"*{dtype}", "L": "i32", "C": "i32",
            "stride_xm": "i32", "stride_ym": "i32", "stride_fb": "i32", "stride_fl": "i32", "eps": "fp32",
-           "HALF_D": "constexpr", "BLOCK_C": "constexpr", "HAS_WEIGHT": "constexpr", "EXACT_BF16": "constexpr"}
-    block_c = next_pow2(channels, 1)
-    const = dict(HALF_D=head_dim // 2, BLOCK_C=block_c, HAS_WEIGHT=has_weight, EXACT_BF16=False)
+           "HALF_D": "constexpr", "BLOCK_A": "constexpr", "BLOCK_B": "constexpr", "HAS_WEIGHT": "constexpr",
+           "EXACT_BF16": "constexpr"}
+    block_a, block_b = row_blocks(channels)
+    const = dict(HALF_D=head_dim // 2, BLOCK_A=block_a, BLOCK_B=block_b, HAS_WEIGHT=has_weight, EXACT_BF16=False)
     names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("X", "W", "F", "Y", "C", "stride_xm", "stride_ym")}
-    return [(_rms_norm_rope, sig, const, attrs, dict(num_warps=_warps(block_c), num_stages=1))]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("X", "W", "F", "Y", "C", "stride_xm", "stride_ym",
+                                                                          "stride_fb", "stride_fl")}
+    return [(_rms_norm_rope, sig, const, attrs, dict(num_warps=_warps(block_a), num_stages=1))]
 
 
 __all__ = ["rms_norm_rope", "rms_norm_rope_ref", "freqs_table", "refusal", "NormRopeInputError", "OP_QUALNAME",

@@ -45,6 +45,7 @@ import types
 import torch
 
 from ..kernels import env_settings
+from ..kernels.gated_residual_norm import GatedResidualInputError, gated_residual, gated_residual_layer_norm
 from ..kernels.layer_norm_modulate import LayerNormModulateInputError, layer_norm_modulate
 from ..kernels.layer_norm_modulate import refusal as layer_norm_modulate_refusal
 from ..kernels.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
@@ -69,7 +70,7 @@ WAN_MODULE = "comfy.ldm.wan.model"
 REASON_PATCHES = "attn1/attn2 patches of another node"
 REASON_FALLBACK = "block failed the first-call check"
 # What a fused kernel raises for a call it cannot serve (checked before anything runs).
-INPUT_ERRORS = (NormRopeInputError, LayerNormModulateInputError, QKNormInputError)
+INPUT_ERRORS = (NormRopeInputError, LayerNormModulateInputError, QKNormInputError, GatedResidualInputError)
 
 
 class Guard:
@@ -192,12 +193,13 @@ class FusedWanBlock(_GuardedPatch):
         x = x.contiguous()
         y = _self_attention(block.self_attn, layer_norm_modulate(x, e[0], e[1], block.norm1.eps), freqs,
                             transformer_options)
-        x = torch.addcmul(x, y, e[2])
+        x, normed = _gated_residual_norm3(block.norm3, x, y, e[2])
         del y
-        x = x + block.cross_attn(block.norm3(x), context, context_img_len=context_img_len,
+        x = x + block.cross_attn(normed, context, context_img_len=context_img_len,
                                  transformer_options=transformer_options)
+        del normed
         y = block.ffn(layer_norm_modulate(x, e[3], e[4], block.norm2.eps))
-        return torch.addcmul(x, y, e[5])
+        return gated_residual(x, y, e[5])
 
 
 def _one_modulation(e: torch.Tensor, x: torch.Tensor) -> bool:
@@ -232,24 +234,26 @@ def _wan_globals(block) -> dict:
     return type(block).forward.__globals__
 
 
-def _norm_weight(norm, x: torch.Tensor):
-    """(weight in x's dtype on x's device, release) the way ComfyUI's RMSNorm gets it: cast by
-    comfy.ops (LoRA weight functions, offloading, dynamic VRAM) where the module casts, its own
-    parameter otherwise."""
+def _norm_params(norm, x: torch.Tensor):
+    """(weight, bias, release), each in x's dtype on x's device (None where the norm has none),
+    the way ComfyUI's norms get them: cast by comfy.ops (LoRA weight functions, offloading,
+    dynamic VRAM) where the module casts, its own parameters otherwise."""
     weight = module_attr(norm, "weight")  # not getattr: nn.Module.__getattr__ costs microseconds
     if weight is None:
-        return None, None
-    if not _casts_weights(norm) and weight.device == x.device and weight.dtype == x.dtype:
-        return weight, None
+        return None, None, None
+    bias = module_attr(norm, "bias")
+    if not _casts_weights(norm) and all(t is None or (t.device == x.device and t.dtype == x.dtype)
+                                        for t in (weight, bias)):
+        return weight, bias, None
     ops = sys.modules.get("comfy.ops")
     cast = getattr(ops, "cast_bias_weight", None)
     if cast is None:
-        return weight.to(device=x.device, dtype=x.dtype), None
+        return tuple(None if t is None else t.to(device=x.device, dtype=x.dtype) for t in (weight, bias)) + (None,)
     if _takes_offloadable(cast):  # ComfyUI 0.4+: hand the cast back after use
         w, b, stream = cast(norm, x, offloadable=True)
-        return w, (lambda: ops.uncast_bias_weight(norm, w, b, stream))
-    w, _ = cast(norm, x)
-    return w, None
+        return w, b, (lambda: ops.uncast_bias_weight(norm, w, b, stream))
+    w, b = cast(norm, x)
+    return w, b, None
 
 
 def _casts_weights(module: torch.nn.Module) -> bool:
@@ -270,12 +274,28 @@ def _takes_offloadable(cast) -> bool:
 
 
 def _norm_rope(norm, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> torch.Tensor:
-    weight, release = _norm_weight(norm, x)
+    weight, _, release = _norm_params(norm, x)
     try:
         return rms_norm_rope(x, weight, freqs, norm.eps, head_dim)
     finally:
         if release is not None:
             release()
+
+
+def _gated_residual_norm3(norm, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor):
+    """(x + y * gate, norm3 of it) in one pass where norm3 is ComfyUI's LayerNorm over the
+    channels (Wan's cross_attn_norm) or an Identity; any other norm runs as it is on the fused
+    residual."""
+    if isinstance(norm, torch.nn.LayerNorm) and tuple(norm.normalized_shape) == (x.shape[-1],):
+        weight, bias, release = _norm_params(norm, x)
+        try:
+            if (weight is None) == (bias is None):
+                return gated_residual_layer_norm(x, y, gate, norm.eps, weight, bias)
+        finally:
+            if release is not None:
+                release()
+    h = gated_residual(x, y, gate)
+    return h, (h if isinstance(norm, torch.nn.Identity) else norm(h))
 
 
 def _self_attention(attn, x: torch.Tensor, freqs: torch.Tensor, transformer_options: dict) -> torch.Tensor:
@@ -338,7 +358,7 @@ def _qk_weight(norm, x: torch.Tensor):
     machine epsilon when None, as torch's rms_norm does); 0.3.x from flux.layers'
     RMSNorm (a `scale` parameter, eps 1e-6, cast to x by model_management.cast_to)."""
     if isinstance(norm, torch.nn.RMSNorm):
-        weight, release = _norm_weight(norm, x)
+        weight, _, release = _norm_params(norm, x)
         if weight is None:
             raise QKNormInputError("QKNorm without a weight")
         # torch's rms_norm takes eps None as the epsilon of its fp32 opmath type, for 16-bit

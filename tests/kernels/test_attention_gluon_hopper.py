@@ -190,3 +190,43 @@ def test_compile_specs_descriptors_parse(cfg, head_dim):
         assert list(ty.block_type.shape) == shape, (arg, sig[arg])
         assert ty.layout.element_bitwidth == 8
     assert name == "_attn_fp8_gluon_fwd" and warps == 4 and const["BLOCK_D"] == block_d
+
+
+@pytest.mark.parametrize("layout", ["comfyui_token_major", "contiguous"])
+def test_output_follows_q_layout(monkeypatch, layout):
+    """The output is allocated like q (torch.empty_like) and its strides reach the kernel: for
+    ComfyUI's q, a [B, H, L, D] view of [B, L, H, D] memory, the [B, L, H * D] ComfyUI makes of
+    the output is a view, not a transposing copy. The launch is recorded, not run (no sm_90
+    here): what it would write through is the tensor returned."""
+    B, H, L, D = 1, 3, 40, 64
+    if layout == "contiguous":
+        q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    else:
+        q, k, v = (torch.randn(B, L, H * D, dtype=torch.bfloat16).view(B, L, H, D).transpose(1, 2) for _ in range(3))
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(args)
+
+    cfg = glu.default_config()
+    quantized = SimpleNamespace(q8=torch.zeros(B * H, 64, 64), k8=torch.zeros(B * H, 128, 64), qs=torch.zeros(B * H, 64, 16),
+                                ks=torch.zeros(B * H, 128, 16), vt8=torch.zeros(B * H, 64, 128), sq=torch.zeros(B * H, 1),
+                                sk=torch.zeros(B * H, 1), sv=None, vmean=None, n_outlier=0, block_m=glu.BLOCK_M,
+                                block_n=cfg["BLOCK_N"], v_key_perm=bool(glu.loop_options(cfg)["PERM_P"]))
+    monkeypatch.setattr(glu, "call_refusal", lambda *a, **k: None)
+    monkeypatch.setattr(glu, "gluon_refusal", lambda device: None)
+    monkeypatch.setattr(glu, "quantize_for_config", lambda *a, **k: quantized)
+    monkeypatch.setattr(glu.TensorDescriptor, "from_tensor", staticmethod(lambda *a, **k: None))
+    monkeypatch.setattr(glu, "_ones_descriptor", lambda *a: None)
+    monkeypatch.setattr(glu, "_attn_fp8_gluon_fwd", Kernel())
+    out = glu.attention_gluon_fp8(q, k, v)
+    (args,) = launches
+    at = next(i for i, a in enumerate(args) if a is out)
+    assert tuple(args[at + 1:at + 5]) == out.stride()
+    assert out.shape == q.shape and out.stride() == q.stride()
+    if layout == "contiguous":
+        assert out.is_contiguous()
+    else:
+        assert out.transpose(1, 2).is_contiguous()  # ComfyUI's reshape to [B, L, H * D] is a view
+        assert out.transpose(1, 2).reshape(B, L, H * D).data_ptr() == out.data_ptr()

@@ -1,9 +1,11 @@
-"""kernels/norm_rope.py and kernels/layer_norm_modulate.py under the Triton interpreter against
-ComfyUI's own ops (the references compute in float32 and round where ComfyUI rounds).
+"""kernels/norm_rope.py, layer_norm_modulate.py, qk_norm.py and gated_residual_norm.py under the
+Triton interpreter against ComfyUI's own ops (the references compute in float32 and round where
+ComfyUI rounds).
 
 Tolerances (rel. L2 against the reference, per dtype):
-- fp16 / bf16: 1e-3, and at least 99.9 % of values bit-identical. Both kernels round where
-  ComfyUI's ops round (the normalised row, `1 + scale`, the output), so what is left is the
+- fp16 / bf16: 1e-3, and at least 99.9 % of values bit-identical (at most one value differing
+  in tensors under 2000 values). The kernels round where ComfyUI's ops round (the normalised
+  row, `1 + scale`, the residual stream, the output), so what is left is the
   order of the fp32 row sums and rsqrt's last bits: a one-ulp flip on a value sitting on a
   rounding boundary;
 - fp32: 1e-6 (fp32 sums in another order).
@@ -21,8 +23,10 @@ from triton_accel.kernels import norm_rope as nr
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-6}
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (name, batch, tokens, heads, head_dim): Wan 2.1 1.3B (12 x 128) and 14B (40 x 128) channel
-# counts with a few tokens, and a small odd-sized case.
-SHAPES = [("wan_1.3b", 1, 9, 12, 128), ("wan_14b", 1, 5, 40, 128), ("small_odd", 2, 13, 3, 64)]
+# counts with a few tokens, a small odd-sized case, and 7 heads of 32 (224 channels: the
+# rope kernel's second block is 96 channels padded to 128, masked).
+SHAPES = [("wan_1.3b", 1, 9, 12, 128), ("wan_14b", 1, 5, 40, 128), ("small_odd", 2, 13, 3, 64),
+          ("padded_second_block", 1, 6, 7, 32)]
 
 
 def comfy_rope(tokens: int, head_dim: int, batch: int = 1, offset: float = 0.0) -> torch.Tensor:
@@ -52,8 +56,9 @@ def check(out, ref, dtype):
     rel = ((o - r).norm() / r.norm()).item()
     assert rel <= TOL[dtype], rel
     if dtype != torch.float32:
-        same = (out == ref).float().mean().item()
-        assert same >= 0.999, same
+        # One flipped value is allowed however small the tensor (at 672 values it is 0.15 %).
+        differ = (out != ref).sum().item()
+        assert differ <= max(1, out.numel() // 1000), f"{differ} of {out.numel()} values differ"
 
 
 def comfy_rms_norm_rope(x, weight, freqs, eps, head_dim):
@@ -76,6 +81,25 @@ def test_rms_norm_rope_matches_comfyui(dtype, name, batch, tokens, heads, head_d
     freqs = comfy_rope(tokens, head_dim, offset=11.0)
     out = nr.rms_norm_rope(x, weight, freqs, 1e-6, head_dim)
     check(out, nr.rms_norm_rope_ref(x, weight, freqs, 1e-6, head_dim), dtype)
+    check(out, comfy_rms_norm_rope(x, weight, freqs, 1e-6, head_dim), dtype)
+
+
+@pytest.mark.parametrize("channels,blocks", [(5120, (4096, 1024)), (1536, (1024, 512)), (4096, (4096, 0)),
+                                             (224, (128, 128)), (2, (2, 0))])
+def test_rms_norm_rope_row_blocks(channels, blocks):
+    # Wan's rows split into two power-of-two blocks with no padded lane; one padded block is
+    # what the kernel did before (37.5 % idle lanes at 5120) and is still reachable for timing.
+    assert nr.row_blocks(channels) == blocks
+    assert nr.row_blocks(channels, split=False) == (nr.next_pow2(channels, 2), 0)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["two_blocks", "one_padded_block"])
+def test_rms_norm_rope_both_block_layouts(split):
+    dtype, heads, head_dim = torch.bfloat16, 40, 128
+    x = activations(1, 3, heads * head_dim, dtype, seed=5)
+    weight = (torch.rand(heads * head_dim) + 0.5).to(dtype)
+    freqs = comfy_rope(3, head_dim, offset=3.0)
+    out = nr._launch(x, weight, freqs, 1e-6, head_dim, split=split)
     check(out, comfy_rms_norm_rope(x, weight, freqs, 1e-6, head_dim), dtype)
 
 
@@ -271,6 +295,117 @@ def test_qk_rms_norm_edge_cases():
         qkn.qk_rms_norm(q, k[:, :1], w, w, 1e-6)
 
 
+# ---- kernels/gated_residual_norm.py: Wan's gated residual and the LayerNorm after it -----------
+
+from triton_accel.kernels import gated_residual_norm as grn  # noqa: E402
+
+
+def comfy_gated_residual_norm(x, y, gate, eps, weight=None, bias=None):
+    """Wan's block: x = addcmul(x, y, e[2]) in x's dtype, then norm3(x) (affine LayerNorm)."""
+    h = torch.addcmul(x, y, gate) if gate is not None else x + y
+    n = torch.nn.functional.layer_norm(h.float(), (x.shape[-1],), None if weight is None else weight.float(),
+                                       None if bias is None else bias.float(), eps).to(x.dtype)
+    return h, n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,batch,tokens,channels", LN_SHAPES, ids=[s[0] for s in LN_SHAPES])
+def test_gated_residual_layer_norm_matches_comfyui(dtype, name, batch, tokens, channels):
+    x = activations(batch, tokens, channels, dtype)
+    y = activations(batch, tokens, channels, dtype, seed=7) * 0.5
+    g = torch.Generator().manual_seed(8)
+    gate = (torch.randn(batch, 1, channels, generator=g) * 0.4).to(dtype)
+    weight, bias = (torch.rand(channels, generator=g) + 0.5).to(dtype), torch.randn(channels, generator=g).to(dtype)
+    h, n = grn.gated_residual_layer_norm(x, y, gate, 1e-6, weight, bias)
+    rh, rn = grn.gated_residual_norm_ref(x, y, gate, 1e-6, weight, bias)
+    ch, cn = comfy_gated_residual_norm(x, y, gate, 1e-6, weight, bias)
+    for out, ref, comfy in ((h, rh, ch), (n, rn, cn)):
+        check(out, ref, dtype)
+        check(out, comfy, dtype)
+    check(grn.gated_residual(x, y, gate), ch, dtype)
+
+
+@pytest.mark.parametrize("case", ["no_gate", "no_affine", "broadcast_batch", "two_dim_gate", "strided_rows",
+                                  "constant_row", "two_dims"])
+def test_gated_residual_layer_norm_edge_cases(case):
+    dtype, batch, tokens, channels = torch.bfloat16, 2, 7, 96
+    x = activations(batch, tokens, channels, dtype, seed=9)
+    y = activations(batch, tokens, channels, dtype, seed=10)
+    g = torch.Generator().manual_seed(11)
+    gate = (torch.randn(batch, 1, channels, generator=g) * 0.4).to(dtype)
+    weight = (torch.rand(channels, generator=g) + 0.5).to(dtype)
+    bias = torch.randn(channels, generator=g).to(dtype)
+    ref_gate = gate
+    if case == "no_gate":  # the cross-attention's plain residual add
+        gate = ref_gate = None
+    elif case == "no_affine":
+        weight = bias = None
+    elif case == "broadcast_batch":  # one gate for both batch elements
+        gate = ref_gate = gate[:1]
+    elif case == "two_dim_gate":
+        gate = gate[:, 0]
+    elif case == "strided_rows":  # column slices of wider tensors: rows keep their stride
+        x = torch.cat([x, x], dim=-1)[..., :channels]
+        y = torch.cat([y, x], dim=-1)[..., :channels]
+        assert not x.is_contiguous() and not y.is_contiguous()
+    elif case == "constant_row":  # x + y * gate constant along the row: variance 0, norm = bias
+        x[0, 1], y[0, 1] = 3.0, 0.0
+    if case == "two_dims":
+        h, n = grn.gated_residual_layer_norm(x[0], y[0], gate[0], 1e-6, weight, bias)
+        rh, rn = comfy_gated_residual_norm(x[0], y[0], gate[0], 1e-6, weight, bias)
+    else:
+        h, n = grn.gated_residual_layer_norm(x, y, gate, 1e-6, weight, bias)
+        rh, rn = comfy_gated_residual_norm(x, y, ref_gate, 1e-6, weight, bias)
+    check(h, rh, dtype)
+    check(n, rn, dtype)
+    if case == "constant_row":
+        assert torch.equal(n[0, 1], bias)
+
+
+@pytest.mark.parametrize("bad,reason", [
+    ("per_token_gate", "one vector per batch"), ("gate_dtype", "must be"), ("y_shape", "must match"),
+    ("y_dtype", "must match"), ("half_affine", "both weight and bias"), ("int_dtype", "dtype")])
+def test_gated_residual_refuses_with_reason(bad, reason):
+    x = torch.randn(2, 4, 32, dtype=torch.bfloat16)
+    y, gate = torch.randn_like(x), torch.zeros(2, 1, 32, dtype=torch.bfloat16)
+    weight = bias = None
+    if bad == "per_token_gate":  # Wan 2.2's per-frame modulation
+        gate = torch.zeros(2, 4, 32, dtype=torch.bfloat16)
+    elif bad == "gate_dtype":
+        gate = gate.float()
+    elif bad == "y_shape":
+        y = y[:, :3]
+    elif bad == "y_dtype":
+        y = y.half()
+    elif bad == "half_affine":
+        weight = torch.ones(32, dtype=torch.bfloat16)
+    elif bad == "int_dtype":
+        x, y, gate = x.to(torch.int32), y.to(torch.int32), gate.to(torch.int32)
+    with pytest.raises(grn.GatedResidualInputError, match=reason):
+        grn.gated_residual_layer_norm(x, y, gate, 1e-6, weight, bias)
+
+
+def test_gated_residual_op_traces_and_compiles():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert grn._REGISTRATION_ERROR is None
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(1, 4, 64, dtype=torch.bfloat16))
+        g = mode.from_tensor(torch.zeros(1, 1, 64, dtype=torch.bfloat16))
+        both = torch.ops.triton_accel.gated_residual_norm(x, x, g, 1e-6, None, None, True)
+        one = torch.ops.triton_accel.gated_residual_norm(x, x, None, 1e-6, None, None, False)
+    assert len(both) == 2 and len(one) == 1 and both[1].shape == (1, 4, 64)
+    x, y = activations(1, 5, 64, torch.float16), activations(1, 5, 64, torch.float16, seed=2)
+    gate = (torch.randn(1, 1, 64) * 0.3).half()
+
+    def block(x):
+        h, n = grn.gated_residual_layer_norm(x, y, gate, 1e-6)
+        return grn.gated_residual(h, n, None)
+
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), block(x))
+
+
 # ---- direct launches: what jit_or_plan remembers for each fused-norm kernel -----------------
 
 def test_direct_launch_records_every_constexpr_and_the_output(monkeypatch):
@@ -289,14 +424,17 @@ def test_direct_launch_records_every_constexpr_and_the_output(monkeypatch):
     e = (torch.randn(1, 6, 64) * 0.3).bfloat16().chunk(6, dim=1)
     q, k, _ = qkv_views(1, 7, 2, 32, torch.bfloat16)
     outs = [lnm.layer_norm_modulate(x, e[0], e[1], 1e-6), nr.rms_norm_rope(x, None, comfy_rope(5, 32), 1e-6, 32),
-            qkn.qk_rms_norm(q, k, torch.ones(32, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16), 1e-6)[0]]
-    kernels = [lnm._layer_norm_modulate, nr._rms_norm_rope, qkn._qk_rms_norm]
-    assert len(seen) == 3
+            qkn.qk_rms_norm(q, k, torch.ones(32, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16), 1e-6)[0],
+            grn.gated_residual_layer_norm(x, x, e[2], 1e-6)[1], grn.gated_residual(x, x, e[2])]
+    kernels = [lnm._layer_norm_modulate, nr._rms_norm_rope, qkn._qk_rms_norm, grn._gated_residual_norm,
+               grn._gated_residual_norm]
+    assert len(seen) == 5
     for (key, consts, args, out_index), out, kernel in zip(seen, outs, kernels):
         device, grid, values, options, name = key[:5]  # then signature_key(args) past the name
         assert len(consts) == len(dl.constexpr_order(kernel)) and values == consts, (name, consts)
         assert args[out_index].data_ptr() == out.data_ptr(), name
-        assert device == x.device.index and name in ("layer_norm_modulate", "rms_norm_rope", "qk_rms_norm")
+        assert device == x.device.index and name in ("layer_norm_modulate", "rms_norm_rope", "qk_rms_norm",
+                                                     "gated_residual_norm")
     # What the JIT specialises on is in the key: a 2-byte-aligned view is another signature; so
     # are what the launcher derives from outside the args: the grid (a second batch element,
     # same tokens and strides) and a constexpr (a norm with its weight, where the call above had

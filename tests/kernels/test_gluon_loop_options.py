@@ -183,12 +183,13 @@ def test_every_config_names_its_loop_options():
 
 
 @pytest.mark.parametrize("value, fp8, bf16", [
-    (None, "sm90", {64: 1, 128: 1, 256: 1}),
+    (None, "sm90_lean", {64: 1, 128: 1, 256: 1}),
     ("lean", "sm90_lean", {64: 2, 128: 2, 256: 1}),
     (" LEAN ", "sm90_lean", {64: 2, 128: 2, 256: 1}),
+    ("classic", "sm90", {64: 1, 128: 1, 256: 1}),
     ("lean_rowsum", "sm90_lean_rowsum", {64: 2, 128: 2, 256: 1}),
-    ("fast", "sm90", {64: 1, 128: 1, 256: 1}),
-], ids=["unset", "lean", "lean-spaced", "lean_rowsum", "unknown"])
+    ("fast", "sm90_lean", {64: 1, 128: 1, 256: 1}),
+], ids=["unset", "lean", "lean-spaced", "classic", "lean_rowsum", "unknown"])
 def test_variant_setting_picks_the_default_configs(monkeypatch, value, fp8, bf16):
     if value is None:
         monkeypatch.delenv(env_settings.GLUON_VARIANT, raising=False)
@@ -198,5 +199,5 @@ def test_variant_setting_picks_the_default_configs(monkeypatch, value, fp8, bf16
     for head_dim, unroll in bf16.items():
         assert glb.default_config(head_dim)["UNROLL"] == unroll, head_dim
     # The BF16 unrolled d128 config carries its third ring stage (see GLUON_BF16_CONFIGS).
-    if fp8 != "sm90":
+    if bf16[128] == 2:
         assert glb.default_config(128)["STAGES"] == 3

@@ -73,6 +73,9 @@ class WanAttentionBlock(torch.nn.Module):
         self.norm1 = torch.nn.LayerNorm(C, 1e-6, elementwise_affine=False)
         self.norm2 = torch.nn.LayerNorm(C, 1e-6, elementwise_affine=False)
         self.norm3 = torch.nn.LayerNorm(C, 1e-6)
+        with torch.no_grad():  # not the identity affine a fresh LayerNorm has
+            self.norm3.weight.uniform_(0.5, 1.5)
+            self.norm3.bias.uniform_(-0.5, 0.5)
         self.self_attn = WanSelfAttention()
         self.cross_attn = CrossAttention()
         self.ffn = torch.nn.Sequential(torch.nn.Linear(C, 2 * C), torch.nn.GELU(approximate="tanh"),
@@ -180,6 +183,36 @@ def test_fused_block_matches_the_original_and_is_served(e_dims, batch):
     assert ((second - ref).norm() / ref.norm()).item() < 1e-5
     assert _norms()["served"] == 2 and _norms()["handed_back"] == 0, _norms()
     assert patch.guarded == {"cpu"} and not patch.fallbacks
+
+
+@pytest.mark.parametrize("norm3", ["layer_norm_affine", "layer_norm_plain", "identity", "other_norm"])
+def test_gated_residual_and_norm3_fused_where_known(monkeypatch, norm3):
+    """The residual after the self-attention and norm3 of it run as one kernel when norm3 is a
+    LayerNorm over the channels (Wan's cross_attn_norm) or an Identity (without it); another
+    norm runs as it is on the fused residual. The block's last residual is always ours."""
+    calls = []
+    for name in ("gated_residual", "gated_residual_layer_norm"):
+        real = getattr(pfn, name)
+        monkeypatch.setattr(pfn, name, (lambda real, name: lambda *a, **k: calls.append(name) or real(*a, **k))(real, name))
+    torch.manual_seed(1)
+    block = WanAttentionBlock()
+    if norm3 == "layer_norm_plain":
+        block.norm3 = torch.nn.LayerNorm(C, 1e-5, elementwise_affine=False)
+    elif norm3 == "identity":
+        block.norm3 = torch.nn.Identity()
+    elif norm3 == "other_norm":
+        block.norm3 = torch.nn.RMSNorm(C, eps=1e-6)
+    patcher, blocks = _patched([block])
+    patch = patcher.object_patches["diffusion_model.blocks.0.forward"]
+    call = block_call(2, 3)
+    ref = blocks[0].forward(**call)
+    patch(**call)  # the guard's call
+    calls.clear()
+    out = patch(**call)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    fused = norm3 in ("layer_norm_affine", "layer_norm_plain")
+    assert calls == (["gated_residual_layer_norm", "gated_residual"] if fused else ["gated_residual"] * 2), calls
+    assert _norms()["served"] == 2 and _norms()["handed_back"] == 0, _norms()
 
 
 def test_guard_sends_a_block_that_disagrees_back_for_good():

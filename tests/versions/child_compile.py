@@ -137,7 +137,7 @@ def main():
     fp8q = kernel("attention_fp8_quant")
     # (module, compile_specs kwargs): the row kernels at Wan 14B's width, the QK norm at Flux's head dim
     norm_kernels = ((kernel("norm_rope"), {"channels": 5120}), (kernel("layer_norm_modulate"), {"channels": 5120}),
-                    (kernel("qk_norm"), {"head_dim": 128}))
+                    (kernel("qk_norm"), {"head_dim": 128}), (kernel("gated_residual_norm"), {"channels": 5120}))
     gpu_rules = kernel("gpu_rules")
     report = {"triton": triton.__version__, "triton_file": triton.__file__, "features": features(tl),
               "import_seconds": round(time.time() - t_import, 2), "refused": {}, "cases": []}

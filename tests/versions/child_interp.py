@@ -122,7 +122,8 @@ def main():
     # against their references, which round where ComfyUI's ops round.
     for name, run in (("fused_rms_norm_rope_fp16", _rms_norm_rope_case),
                       ("fused_layer_norm_modulate_fp16", _layer_norm_modulate_case),
-                      ("fused_qk_rms_norm_fp16", _qk_rms_norm_case)):
+                      ("fused_qk_rms_norm_fp16", _qk_rms_norm_case),
+                      ("fused_gated_residual_norm_fp16", _gated_residual_norm_case)):
         rec = {"name": name, "tol": FUSED_NORM_TOL, "kernel": name[len("fused_"):-len("_fp16")]}
         t = time.time()
         try:
@@ -158,6 +159,16 @@ def _layer_norm_modulate_case(torch):
     x = rand((2, 13, 200), torch.float16, 8) * 3 + 1
     shift, scale = rand((2, 1, 200), torch.float16, 9) * 0.3, rand((2, 1, 200), torch.float16, 10) * 0.3
     return lnm.layer_norm_modulate(x, shift, scale, 1e-6), lnm.layer_norm_modulate_ref(x, shift, scale, 1e-6)
+
+
+def _gated_residual_norm_case(torch):
+    grn = importlib.import_module("ta_interp.kernels.gated_residual_norm")
+    x, y = rand((2, 13, 200), torch.float16, 14) * 3 + 1, rand((2, 13, 200), torch.float16, 15)
+    gate = rand((2, 1, 200), torch.float16, 16) * 0.5
+    weight, bias = rand((200,), torch.float32, 17).abs().half() + 0.5, rand((200,), torch.float16, 18)
+    out = grn.gated_residual_layer_norm(x, y, gate, 1e-6, weight, bias)
+    ref = grn.gated_residual_norm_ref(x, y, gate, 1e-6, weight, bias)
+    return torch.cat([o.flatten() for o in out]), torch.cat([r.flatten() for r in ref])
 
 
 def _ours(filename: str) -> bool:

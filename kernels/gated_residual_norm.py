@@ -1,0 +1,229 @@
+"""The gated residual of a DiT block, x + y * gate, optionally followed by the LayerNorm of the
+result, in one pass: what Wan's block (comfy/ldm/wan/model.py) does after its self-attention,
+
+    x = torch.addcmul(x, y, repeat_e(e[2], x))
+    x = x + self.cross_attn(self.norm3(x), context, ...)
+
+and at its end (addcmul(x, y, e[5]), no norm). There each addcmul broadcasts a [B, 1, C] gate
+over the tokens, which sends torch to its non-vectorised elementwise kernel (0.50 ms a call at
+Wan 2.1 14B's 32760 x 5120 on the H200, benchmarks/results/
+h200_2026-12-04_s25_run2_kprofile_wan_ours-all.txt), and norm3 is torch's affine LayerNorm
+(0.61 ms), reading back what the addcmul just wrote. Here one program reads a row of x and y
+once and writes the new x and, when asked, its LayerNorm.
+
+Numerics follow ComfyUI's ops, rounding where they round: x + y * gate in fp32, rounded to x's
+dtype (addcmul's output, the residual stream); the LayerNorm of that rounded row with mean and
+variance in fp32 (two passes over the row held in registers), times weight plus bias in fp32,
+rounded once (LayerNorm's output).
+
+Layout: x and y [B, L, C] or [M, C] with unit last stride, in one dtype; gate [B or 1, 1, C]
+or [B or 1, C] in that dtype (one vector per batch element), or None for a plain x + y.
+Rows up to MAX_CHANNELS are held in registers (Wan 1536 / 5120).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # the registry reports why; importing the pack must still work
+    triton = None
+    tl = None
+
+from . import direct_launch
+from .kernel_common import batch_vector, exact_bf16, next_pow2, row_kernel_refusal
+
+if triton is not None:
+    from .kernel_common import layer_norm_row, to_output_dtype
+
+log = logging.getLogger("triton_accel.kernels.gated_residual_norm")  # not __name__: the clone's folder name
+
+OP_QUALNAME = "triton_accel::gated_residual_norm"
+MAX_CHANNELS = 16384
+# Warps per program by padded row width: 8 warps give a 8192-wide block 32 values a thread
+# (the LayerNorm + modulation kernel's choice, measured there at 2769 GB/s on an H100).
+GATED_RESIDUAL_NORM_WARPS = ((2048, 4), (8192, 8), (MAX_CHANNELS, 16))
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class GatedResidualInputError(ValueError):
+    """A call the fused kernel cannot serve; `.reason` says why (callers fall back)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(reason)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gated_residual_norm(X, R, G, W, B, XO, NO, L, C, stride_xm, stride_rm, stride_om, stride_gb, eps,
+                             BLOCK_C: tl.constexpr, HAS_GATE: tl.constexpr, NORM: tl.constexpr,
+                             HAS_AFFINE: tl.constexpr, EXACT_BF16: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_C)
+        mask = offs < C
+        x = tl.load(X + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R + row * stride_rm + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            g = tl.load(G + (row // L) * stride_gb + offs, mask=mask, other=0.0).to(tl.float32)
+            h = x + r * g
+        else:
+            h = x + r
+        # The residual stream is in x's dtype (addcmul's output); the norm reads it rounded.
+        h = to_output_dtype(h, XO.dtype.element_ty, EXACT_BF16)
+        tl.store(XO + row * stride_om + offs, h, mask=mask)
+        if NORM:
+            n = layer_norm_row(h.to(tl.float32), mask, C, eps, W, B, offs, HAS_AFFINE)
+            tl.store(NO + row * stride_om + offs, to_output_dtype(n, NO.dtype.element_ty, EXACT_BF16), mask=mask)
+
+
+def _warps(block_c: int) -> int:
+    for width, warps in GATED_RESIDUAL_NORM_WARPS:
+        if block_c <= width:
+            return warps
+    return GATED_RESIDUAL_NORM_WARPS[-1][1]
+
+
+def _rows(t: torch.Tensor, channels: int) -> torch.Tensor:
+    t2d = t.reshape(-1, channels)
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+def _check(x: torch.Tensor, y: torch.Tensor, weight, bias) -> tuple[int, int, int]:
+    if x.dtype not in DTYPES:
+        raise GatedResidualInputError(f"dtype {x.dtype} is not float16/bfloat16/float32")
+    if x.dim() not in (2, 3):
+        raise GatedResidualInputError(f"x must be [B, L, C] or [L, C] (got {x.dim()} dims)")
+    if y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
+        raise GatedResidualInputError(
+            f"y ({tuple(y.shape)}, {y.dtype}, {y.device}) must match x ({tuple(x.shape)}, {x.dtype}, {x.device})")
+    channels = x.shape[-1]
+    if channels > MAX_CHANNELS or channels == 0:
+        raise GatedResidualInputError(f"rows of {channels} channels: the kernel takes 1 to {MAX_CHANNELS}")
+    if x.stride(-1) != 1 or y.stride(-1) != 1:
+        raise GatedResidualInputError("x's and y's last dims must be contiguous")
+    if (weight is None) != (bias is None):
+        raise GatedResidualInputError("an affine LayerNorm needs both weight and bias")
+    for t, name in ((weight, "weight"), (bias, "bias")):
+        if t is not None and (t.shape != (channels,) or t.device != x.device):
+            raise GatedResidualInputError(f"LayerNorm {name} must be [{channels}] on {x.device}")
+    batch, tokens = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
+    return batch, tokens, channels
+
+
+def _launch(x, y, gate, eps: float, weight, bias, norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    batch, tokens, channels = _check(x, y, weight, bias)
+    gate2 = None if gate is None else batch_vector(gate, "gate", x, batch, channels, GatedResidualInputError)
+    x2d, y2d = _rows(x, channels), _rows(y, channels)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if norm else None
+    rows = x2d.shape[0]
+    if rows == 0:
+        return out, normed
+    block_c = next_pow2(channels, 1)
+    stride_gb = gate2.stride(0) if gate2 is not None and gate2.shape[0] > 1 else 0
+    out2d = out.view(-1, channels)
+    w, b = (weight, bias) if weight is not None else (x2d, x2d)  # never read without HAS_AFFINE
+    args = (x2d, y2d, x2d if gate2 is None else gate2, w, b, out2d, out2d if normed is None else normed.view(-1, channels),
+            tokens, channels, x2d.stride(0), y2d.stride(0), channels, stride_gb, float(eps))
+    consts = dict(BLOCK_C=block_c, HAS_GATE=gate2 is not None, NORM=norm, HAS_AFFINE=weight is not None,
+                  EXACT_BF16=exact_bf16(x))
+    # The plan check compares the last output written (the norm depends on the residual too).
+    direct_launch.jit_or_plan(_gated_residual_norm, (rows,), args, consts, 6 if norm else 5, "gated_residual_norm",
+                              num_warps=_warps(block_c))
+    return out, normed
+
+
+refusal = row_kernel_refusal  # why a device cannot run the kernel (None: it can)
+
+
+def gated_residual_norm_ref(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None, eps: float,
+                            weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                            norm: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float32 reference, written as ComfyUI computes it: addcmul (or add) in x's dtype,
+    then layer_norm of that in x's dtype."""
+    batch, tokens, channels = _check(x, y, weight, bias)
+    h = x.float() + y.float() * (1.0 if gate is None else _broadcast(gate, x, batch, channels).float())
+    h = h.to(x.dtype)
+    if not norm:
+        return h, None
+    n = torch.nn.functional.layer_norm(h.float(), (channels,), None if weight is None else weight.float(),
+                                       None if bias is None else bias.float(), eps)
+    return h, n.to(x.dtype)
+
+
+def _broadcast(gate: torch.Tensor, x: torch.Tensor, batch: int, channels: int) -> torch.Tensor:
+    g = batch_vector(gate, "gate", x, batch, channels, GatedResidualInputError)
+    return g[:, None, :] if x.dim() == 3 else g
+
+
+def _register_op() -> None:
+    @torch.library.custom_op(OP_QUALNAME, mutates_args=())
+    def gated_residual_norm_op(x: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tensor], eps: float,
+                               weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                               norm: bool) -> list[torch.Tensor]:
+        out, normed = _launch(x, y, gate, eps, weight, bias, norm)
+        return [out] if normed is None else [out, normed]
+
+    @gated_residual_norm_op.register_fake
+    def _(x, y, gate, eps, weight, bias, norm):
+        return [x.new_empty(x.shape) for _ in range(2 if norm else 1)]
+
+
+_REGISTRATION_ERROR: str | None = None
+try:
+    _register_op()
+except Exception as e:  # an older torch without torch.library.custom_op: eager calls still work
+    _REGISTRATION_ERROR = f"{type(e).__name__}: {e}"
+
+
+def _call(x, y, gate, eps, weight, bias, norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    reason = refusal(x.device)
+    if reason is not None:
+        raise GatedResidualInputError(reason)
+    if _REGISTRATION_ERROR is None and torch.compiler.is_compiling():
+        batch, _, channels = _check(x, y, weight, bias)
+        if gate is not None:
+            batch_vector(gate, "gate", x, batch, channels, GatedResidualInputError)
+        outs = torch.ops.triton_accel.gated_residual_norm(x, y, gate, float(eps), weight, bias, norm)
+        return outs[0], (outs[1] if norm else None)
+    return _launch(x, y, gate, eps, weight, bias, norm)  # eager: no custom-op dispatch; _launch checks
+
+
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """x + y * gate (x + y without a gate), one gate vector per batch element, in x's dtype.
+    Raises GatedResidualInputError for a call it cannot serve (checked before anything runs)."""
+    return _call(x, y, gate, 0.0, None, None, False)[0]
+
+
+def gated_residual_layer_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None, eps: float,
+                              weight: torch.Tensor | None = None,
+                              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, layer_norm(h)) for h = x + y * gate (x + y without a gate), the norm over the last dim,
+    affine when weight and bias are given. Raises GatedResidualInputError for a call it cannot
+    serve (checked before anything runs)."""
+    return _call(x, y, gate, eps, weight, bias, True)
+
+
+def compile_specs(dtype: str = "bf16", channels: int = 5120, norm: bool = True, affine: bool = True):
+    """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...)): a
+    launch on contiguous [M, channels] activations with a per-batch gate."""
+    sig = {"X": f"*{dtype}", "R": f"*{dtype}", "G": f"*{dtype}", "W": f"*{dtype}", "B": f"*{dtype}",
+           "XO": f"*{dtype}", "NO": f"*{dtype}", "L": "i32", "C": "i32", "stride_xm": "i32", "stride_rm": "i32",
+           "stride_om": "i32", "stride_gb": "i32", "eps": "fp32", "BLOCK_C": "constexpr", "HAS_GATE": "constexpr",
+           "NORM": "constexpr", "HAS_AFFINE": "constexpr", "EXACT_BF16": "constexpr"}
+    block_c = next_pow2(channels, 1)
+    const = dict(BLOCK_C=block_c, HAS_GATE=True, NORM=norm, HAS_AFFINE=norm and affine, EXACT_BF16=False)
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]
+             for n in ("X", "R", "G", "W", "B", "XO", "NO", "C", "stride_xm", "stride_rm", "stride_om", "stride_gb")}
+    return [(_gated_residual_norm, sig, const, attrs, dict(num_warps=_warps(block_c), num_stages=1))]
+
+
+__all__ = ["gated_residual", "gated_residual_layer_norm", "gated_residual_norm_ref", "refusal",
+           "GatedResidualInputError", "OP_QUALNAME", "MAX_CHANNELS", "compile_specs"]
