@@ -43,6 +43,6 @@ s31)
     python3 -m zipfile -e $CK /tmp/ck
     PYTHONPATH=/tmp/ck timeout 70 python3 benchmarks/fused_norms_bench.py --shapes wan14b --out $R > $R/norms.txt 2>&1
     tail -14 $R/norms.txt
-    e2e e2e_wan31 180 --models wan --variants default ours-all ours-all --steps 3 ;;
+    e2e e2e_wan31 150 --models wan --variants default ours-all --steps 3 ;;
 *)  echo "stage: norms, norms-abba, lean or s31"; exit 2 ;;
 esac
