@@ -33,8 +33,9 @@ of 16 (TMA strides and MMA depth); M is anything.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -681,35 +682,41 @@ class DirectCall:
         return out
 
     def _quantized(self, x: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:
-        """(e4m3 rows, scales) of x: the last ones made, where they were made from this very
-        tensor (the same object, unmodified since: its version counter, shared with its views,
-        counts in-place writes) on this stream with this key; else quantised now and kept. Wan's
-        q, k and v (and diffusers-style to_q/to_k/to_v) read one activation: one quantisation
-        instead of three."""
+        """(e4m3 rows, scales) of x; inside quantize_once(x), the copy made there first for this
+        key and stream."""
         index = self.device_index
-        stream = direct_launch.current_stream(index)
-        memo = _quant_memo.get(index)
-        if (memo is not None and memo[0]() is x and memo[1] == x._version and memo[2] == self.quant_key
-                and memo[3] == stream):
-            return memo[4], memo[5]
+        scope = _QUANTIZE_ONCE.get()
+        shared = None
+        if scope is not None and scope[0] is x:
+            shared, key = scope[1], (self.quant_key, direct_launch.current_stream(index))
+            hit = shared.get(key)
+            if hit is not None:
+                return hit
         m, k, device = self.m, self.k, self.device
         y = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device)
         s = torch.empty((m,), dtype=torch.float32, device=device)
         direct_launch.launch(quant, index, (x.view(m, k), y, s, k, k))
-        _quant_memo[index] = (weakref.ref(x, _forget_quantized), x._version, self.quant_key, stream, y, s)
+        if shared is not None:
+            shared[key] = (y, s)
         return y, s
 
 
-# Device index -> (weakref to the activation, its version, quant key, stream, e4m3 rows, scales):
-# DirectCall's last quantisation per device, dropped with the activation it was made from.
-_quant_memo: dict = {}
-cache_registry.register("kernels.linear_fp8.quant_memo", _quant_memo.clear)
+# (activation, {(quant key, stream): (e4m3 rows, scales)}) while a quantize_once block runs.
+_QUANTIZE_ONCE: contextvars.ContextVar = contextvars.ContextVar("triton_accel_quantize_once", default=None)
 
 
-def _forget_quantized(ref) -> None:
-    for index, memo in list(_quant_memo.items()):
-        if memo[0] is ref:
-            _quant_memo.pop(index, None)
+@contextlib.contextmanager
+def quantize_once(x: torch.Tensor):
+    """Inside this block, the Linear calls that read this very tensor (the same object) share one
+    e4m3 copy of it: Wan's q, k and v read one activation, one quantisation instead of three.
+    The caller promises x is not written while the block runs: ComfyUI samples under
+    torch.inference_mode, whose tensors keep no version counter to check it by. Served by
+    DirectCall (the repeated calls of a signature); the first calls take the checked path."""
+    token = _QUANTIZE_ONCE.set((x, {}))
+    try:
+        yield
+    finally:
+        _QUANTIZE_ONCE.reset(token)
 
 
 def direct_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

@@ -47,6 +47,7 @@ import torch
 from ..kernels import env_settings
 from ..kernels.gated_residual_norm import GatedResidualInputError, gated_residual, gated_residual_layer_norm
 from ..kernels.layer_norm_modulate import LayerNormModulateInputError, layer_norm_modulate
+from ..kernels.linear_fp8 import quantize_once
 from ..kernels.layer_norm_modulate import refusal as layer_norm_modulate_refusal
 from ..kernels.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
 from ..kernels.norm_rope import refusal as norm_rope_refusal
@@ -300,13 +301,15 @@ def _gated_residual_norm3(norm, x: torch.Tensor, y: torch.Tensor, gate: torch.Te
 
 def _self_attention(attn, x: torch.Tensor, freqs: torch.Tensor, transformer_options: dict) -> torch.Tensor:
     """WanSelfAttention.forward with each of q and k normalised and rotated in one pass (calls
-    with attn1 patches never get here)."""
+    with attn1 patches never get here). x is the fused LayerNorm's fresh output, read by the q,
+    k and v Linears and written by nobody: our FP8 Linear quantises it once for the three."""
     b, s, n, d = *x.shape[:2], attn.num_heads, attn.head_dim
-    q = _norm_rope(attn.norm_q, attn.q(x), freqs, d)
-    k = _norm_rope(attn.norm_k, attn.k(x), freqs, d)
-    out = _wan_globals(attn)["optimized_attention"](q.view(b, s, n * d), k.view(b, s, n * d),
-                                                     attn.v(x).view(b, s, n * d), heads=n,
-                                                     transformer_options=transformer_options)
+    with quantize_once(x):
+        q = _norm_rope(attn.norm_q, attn.q(x), freqs, d)
+        k = _norm_rope(attn.norm_k, attn.k(x), freqs, d)
+        v = attn.v(x)
+    out = _wan_globals(attn)["optimized_attention"](q.view(b, s, n * d), k.view(b, s, n * d), v.view(b, s, n * d),
+                                                     heads=n, transformer_options=transformer_options)
     return attn.o(out)
 
 

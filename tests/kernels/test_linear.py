@@ -464,12 +464,12 @@ def test_direct_call_keys_are_the_checked_paths_keys(monkeypatch):
     assert lf.direct_call(x[:0], prepared.weight, prepared.scale, None, torch.bfloat16) is None
 
 
-def test_direct_call_quantises_an_activation_once_for_the_layers_that_read_it(monkeypatch):
-    """Wan's q, k and v Linears read one activation: DirectCall quantises it once and the three
-    GEMMs read the same e4m3 rows. Quantised again for another tensor (even an equal one), after
-    an in-place write (the version counter), on another stream, or once the activation is gone.
+def test_quantize_once_shares_one_quantisation_between_the_layers_that_read_x(monkeypatch):
+    """Inside quantize_once(x) (Wan's q, k and v in the fused block), DirectCalls on x quantise it
+    once and the GEMMs read the same e4m3 rows; per key and stream. Outside the block, or for
+    another tensor (even an equal one), every call quantises; nothing is kept after the block.
     The launches are recorded on the CPU, not run (benchmarks/host_overhead.py checks DirectCall
-    outputs on the GPU)."""
+    outputs on the GPU). Under torch.inference_mode, as ComfyUI samples."""
     lf = importlib.import_module("triton_accel.kernels.linear_fp8")
     monkeypatch.setattr(lf.direct_launch, "usable", lambda t: True)
     monkeypatch.setattr(lf.direct_launch, "lookup", lambda key: key[0])
@@ -478,16 +478,15 @@ def test_direct_call_quantises_an_activation_once_for_the_layers_that_read_it(mo
     monkeypatch.setattr(lf.direct_launch, "current_stream", lambda index: stream[0])
     launched = []
     monkeypatch.setattr(lf.direct_launch, "launch", lambda plan, index, args: launched.append((plan, args)))
-    monkeypatch.setattr(lf, "_quant_memo", {})
     gen = torch.Generator().manual_seed(9)
-    x = activations((2, 9), 64, torch.bfloat16, gen)
     calls = []
     for n in (48, 48, 32):  # q, k, v of one width; another width reads the same activation too
         prepared = kernels.prepare_weight(weights(n, 64, gen), "fp8_w8a8")
-        gemm_key = lf._gemm_key(x.device, 18, n, 64, torch.bfloat16, False, 0, 0, None,
+        gemm_key = lf._gemm_key(torch.device("cpu"), 18, n, 64, torch.bfloat16, False, 0, 0, None,
                                 lf.Fp8LinearWeight(prepared.weight, prepared.scale), 0, 64, 0, 0, torch.float32, None)
         monkeypatch.setitem(lf._gemm_layouts, gemm_key, (False, None))
-        calls.append(lf.direct_call(x, prepared.weight, prepared.scale, None, torch.bfloat16))
+        calls.append(lf.direct_call(activations((2, 9), 64, torch.bfloat16, gen), prepared.weight, prepared.scale,
+                                    None, torch.bfloat16))
     assert all(c is not None for c in calls)
 
     def quantisations():
@@ -496,23 +495,28 @@ def test_direct_call_quantises_an_activation_once_for_the_layers_that_read_it(mo
     def gemm_inputs():
         return [args[0] for plan, args in launched if plan == "fp8_gemm"]
 
-    for call in calls:
-        call(x, None)
-    assert len(quantisations()) == 1 and len(gemm_inputs()) == 3
-    assert len({t.data_ptr() for t in gemm_inputs()}) == 1  # one e4m3 tensor read three times
-    assert quantisations()[0][0].data_ptr() == x.data_ptr()
-    calls[0](x.clone(), None)  # equal values, another tensor
-    assert len(quantisations()) == 2
-    calls[0](x, None)
-    x.mul_(2)  # written in place: stale
-    calls[1](x, None)
-    assert len(quantisations()) == 4
-    stream[0] = 8
-    calls[2](x, None)
-    assert len(quantisations()) == 5
-    launched.clear()  # the recorded launch arguments hold views of x (whose _base is x)
-    del x
-    assert not lf._quant_memo  # dropped with the activation
+    with torch.inference_mode():
+        x = activations((2, 9), 64, torch.bfloat16, gen)
+        for call in calls:  # no block: three quantisations
+            call(x, None)
+        assert len(quantisations()) == 3
+        launched.clear()
+        with lf.quantize_once(x):
+            for call in calls:
+                call(x, None)
+            assert len(quantisations()) == 1 and len(gemm_inputs()) == 3
+            assert len({t.data_ptr() for t in gemm_inputs()}) == 1  # one e4m3 tensor read three times
+            assert quantisations()[0][0].data_ptr() == x.data_ptr()
+            calls[0](x.clone(), None)  # equal values, another tensor
+            assert len(quantisations()) == 2
+            stream[0] = 8
+            calls[1](x, None)
+            assert len(quantisations()) == 3
+            calls[2](x, None)
+            assert len(quantisations()) == 3
+        assert lf._QUANTIZE_ONCE.get() is None
+        calls[0](x, None)
+        assert len(quantisations()) == 4
 
 
 # ---- activation_out: the activated columns also written, contiguous (Flux's single blocks) --

@@ -215,6 +215,44 @@ def test_gated_residual_and_norm3_fused_where_known(monkeypatch, norm3):
     assert _norms()["served"] == 2 and _norms()["handed_back"] == 0, _norms()
 
 
+def test_q_k_v_share_one_quantisation_scope(monkeypatch):
+    """The fused block runs the self-attention's q, k and v Linears inside
+    linear_fp8.quantize_once(x) for their common input (our FP8 Linear then quantises it once),
+    and nothing else inside it."""
+    import contextlib
+
+    scopes, inside = [], []
+
+    @contextlib.contextmanager
+    def recording(x):
+        scopes.append(x)
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(pfn, "quantize_once", recording)
+    patcher, blocks = _patched([WanAttentionBlock()])
+    attn = blocks[0].self_attn
+    seen = {}
+    for name in ("q", "k", "v", "o"):
+        getattr(attn, name).register_forward_hook(
+            (lambda name: lambda m, args, out: seen.setdefault(name, []).append((args[0], bool(inside))))(name))
+    patch = patcher.object_patches["diffusion_model.blocks.0.forward"]
+    call = block_call(1, 3)
+    patch(**call)  # the guard's call
+    seen.clear()
+    scopes.clear()
+    patch(**call)
+    assert len(scopes) == 1
+    for name in ("q", "k", "v"):
+        (x, scoped), = seen[name]
+        assert scoped and x is scopes[0], name
+    (_, scoped), = seen["o"]
+    assert not scoped
+
+
 def test_guard_sends_a_block_that_disagrees_back_for_good():
     patcher, blocks = _patched()
     patch = patcher.object_patches["diffusion_model.blocks.0.forward"]
