@@ -572,7 +572,6 @@ def default_config(device=None) -> dict:
     return dict(GLUON_CONFIGS[_VARIANT_CONFIGS[env_settings.gluon_variant()]])
 
 
-
 def attention_gluon_fp8(q, k, v, scale=None, config=None, n_outlier: int = N_OUTLIER):
     """softmax(q k^T * scale) v with Q.K^T and P.V in e4m3 on sm_90, quantisation included;
     q, k, v [B, H, L, D] fp16/bf16 (any strides, D <= 128, no mask, no causal, no GQA, any

@@ -72,8 +72,8 @@ def current_stream(device_index: int) -> int:
 
 
 def launch(plan: Plan, device_index: int, args: tuple) -> None:
-    knobs, driver = _triton_runtime()
-    stream = driver.active.get_current_stream(device_index)
+    knobs, _driver = _triton_runtime()
+    stream = current_stream(device_index)
     full = (*args, *plan.consts)
     kernel, grid = plan.kernel, plan.grid
     meta = kernel.launch_metadata(grid, stream, *full)

@@ -35,7 +35,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import direct_launch
-from .kernel_common import batch_vector, exact_bf16, next_pow2, row_kernel_refusal
+from .kernel_common import batch_vector, exact_bf16, layer_norm_inputs, next_pow2, row_kernel_refusal
 
 if triton is not None:
     from .kernel_common import layer_norm_row, to_output_dtype
@@ -47,7 +47,6 @@ MAX_CHANNELS = 16384
 # Warps per program by padded row width: 8 warps give a 8192-wide block 32 values a thread
 # (the LayerNorm + modulation kernel's choice, measured there at 2769 GB/s on an H100).
 GATED_RESIDUAL_NORM_WARPS = ((2048, 4), (8192, 8), (MAX_CHANNELS, 16))
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class GatedResidualInputError(ValueError):
@@ -95,25 +94,13 @@ def _rows(t: torch.Tensor, channels: int) -> torch.Tensor:
 
 
 def _check(x: torch.Tensor, y: torch.Tensor, weight, bias) -> tuple[int, int, int]:
-    if x.dtype not in DTYPES:
-        raise GatedResidualInputError(f"dtype {x.dtype} is not float16/bfloat16/float32")
-    if x.dim() not in (2, 3):
-        raise GatedResidualInputError(f"x must be [B, L, C] or [L, C] (got {x.dim()} dims)")
+    dims = layer_norm_inputs(x, weight, bias, GatedResidualInputError, MAX_CHANNELS)
     if y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
         raise GatedResidualInputError(
             f"y ({tuple(y.shape)}, {y.dtype}, {y.device}) must match x ({tuple(x.shape)}, {x.dtype}, {x.device})")
-    channels = x.shape[-1]
-    if channels > MAX_CHANNELS or channels == 0:
-        raise GatedResidualInputError(f"rows of {channels} channels: the kernel takes 1 to {MAX_CHANNELS}")
-    if x.stride(-1) != 1 or y.stride(-1) != 1:
-        raise GatedResidualInputError("x's and y's last dims must be contiguous")
-    if (weight is None) != (bias is None):
-        raise GatedResidualInputError("an affine LayerNorm needs both weight and bias")
-    for t, name in ((weight, "weight"), (bias, "bias")):
-        if t is not None and (t.shape != (channels,) or t.device != x.device):
-            raise GatedResidualInputError(f"LayerNorm {name} must be [{channels}] on {x.device}")
-    batch, tokens = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
-    return batch, tokens, channels
+    if y.stride(-1) != 1:
+        raise GatedResidualInputError("y's last dim must be contiguous")
+    return dims
 
 
 def _launch(x, y, gate, eps: float, weight, bias, norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

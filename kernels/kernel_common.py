@@ -233,6 +233,28 @@ def exact_bf16(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
 
+def layer_norm_inputs(x: torch.Tensor, weight, bias, error, max_channels: int) -> tuple[int, int, int]:
+    """(batch, tokens, channels) of a row-wise LayerNorm kernel's input: x [B, L, C] or [L, C]
+    in fp16/bf16/fp32 with unit last stride and 1..max_channels channels, and an optional
+    affine pair of [C] tensors on x's device; raises `error(reason)` for anything else."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise error(f"dtype {x.dtype} is not float16/bfloat16/float32")
+    if x.dim() not in (2, 3):
+        raise error(f"x must be [B, L, C] or [L, C] (got {x.dim()} dims)")
+    channels = x.shape[-1]
+    if channels > max_channels or channels == 0:
+        raise error(f"rows of {channels} channels: the kernel takes 1 to {max_channels}")
+    if x.stride(-1) != 1:
+        raise error("x's last dim must be contiguous")
+    if (weight is None) != (bias is None):
+        raise error("an affine LayerNorm needs both weight and bias")
+    for t, name in ((weight, "weight"), (bias, "bias")):
+        if t is not None and (t.shape != (channels,) or t.device != x.device):
+            raise error(f"LayerNorm {name} must be [{channels}] on {x.device}")
+    batch, tokens = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
+    return batch, tokens, channels
+
+
 def batch_vector(m: torch.Tensor, name: str, x: torch.Tensor, batch: int, channels: int, error) -> torch.Tensor:
     """A modulation or gate vector of the fused norm kernels, [B or 1, 1, C] or [B or 1, C] in
     x's dtype on x's device (one vector per batch element, broadcast over its tokens), as

@@ -33,7 +33,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import direct_launch
-from .kernel_common import batch_vector, exact_bf16, next_pow2, row_kernel_refusal
+from .kernel_common import batch_vector, exact_bf16, layer_norm_inputs, next_pow2, row_kernel_refusal
 
 if triton is not None:
     from .kernel_common import layer_norm_row, to_output_dtype
@@ -44,7 +44,6 @@ OP_QUALNAME = "triton_accel::layer_norm_modulate"
 MAX_CHANNELS = 16384
 # Warps per program by padded row width: 8 warps give a 8192-wide block 32 values a thread.
 LAYER_NORM_MODULATE_WARPS = ((2048, 4), (8192, 8), (MAX_CHANNELS, 16))
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class LayerNormModulateInputError(ValueError):
@@ -83,22 +82,7 @@ def _warps(block_c: int) -> int:
 
 
 def _check(x: torch.Tensor, weight, bias) -> tuple[int, int, int]:
-    if x.dtype not in DTYPES:
-        raise LayerNormModulateInputError(f"dtype {x.dtype} is not float16/bfloat16/float32")
-    if x.dim() not in (2, 3):
-        raise LayerNormModulateInputError(f"x must be [B, L, C] or [L, C] (got {x.dim()} dims)")
-    channels = x.shape[-1]
-    if channels > MAX_CHANNELS or channels == 0:
-        raise LayerNormModulateInputError(f"rows of {channels} channels: the kernel takes 1 to {MAX_CHANNELS}")
-    if x.stride(-1) != 1:
-        raise LayerNormModulateInputError("x's last dim must be contiguous")
-    if (weight is None) != (bias is None):
-        raise LayerNormModulateInputError("an affine LayerNorm needs both weight and bias")
-    for t, name in ((weight, "weight"), (bias, "bias")):
-        if t is not None and (t.shape != (channels,) or t.device != x.device):
-            raise LayerNormModulateInputError(f"LayerNorm {name} must be [{channels}] on {x.device}")
-    batch, tokens = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
-    return batch, tokens, channels
+    return layer_norm_inputs(x, weight, bias, LayerNormModulateInputError, MAX_CHANNELS)
 
 
 def _launch(x, shift, scale, eps: float, weight, bias) -> torch.Tensor:

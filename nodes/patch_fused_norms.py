@@ -1,8 +1,9 @@
 """Fused norms: the elementwise work around attention and the MLP in one pass each, through
-kernels/layer_norm_modulate.py, kernels/norm_rope.py (Wan's attention blocks) and
-kernels/qk_norm.py (the QKNorm of every model built from comfy/ldm/flux/layers.py: Flux,
-Chroma, HunyuanVideo...: q and k normalised per head in one launch, read through the permuted
-views ComfyUI hands it, instead of a copy and an RMSNorm each).
+kernels/layer_norm_modulate.py, kernels/norm_rope.py, kernels/gated_residual_norm.py (Wan's
+attention blocks) and kernels/qk_norm.py (the QKNorm of every model built from
+comfy/ldm/flux/layers.py: Flux, Chroma, HunyuanVideo...: q and k normalised per head in one
+launch, read through the permuted views ComfyUI hands it, instead of a copy and an RMSNorm
+each).
 
 What it replaces, per WanAttentionBlock call (comfy/ldm/wan/model.py), everything else staying
 ComfyUI's own modules (Linear layers, attention, cross-attention, FFN, so our Linear and
@@ -10,12 +11,17 @@ attention patches still serve those calls):
 - norm1(x) then addcmul(e[0], ., 1 + e[1]) (and norm2 with e[3], e[4]): one
   layer_norm_modulate pass each, instead of LayerNorm plus a broadcasting addcmul;
 - in the self-attention, norm_q(q(x)) then apply_rope1 (and the same for k): one
-  rms_norm_rope pass each, instead of torch's RMSNorm plus comfy-kitchen's RoPE.
+  rms_norm_rope pass each, instead of torch's RMSNorm plus comfy-kitchen's RoPE; the q, k and
+  v Linears inside linear_fp8.quantize_once, so our FP8 Linear quantises their input once;
+- addcmul(x, y, e[2]) then norm3 (the cross-attention's LayerNorm): one gated_residual_layer_norm
+  pass, and the block's last addcmul(x, y, e[5]) as gated_residual, instead of torch's
+  broadcasting addcmul (its non-vectorised kernel) and LayerNorm. These two and the shared
+  quantisation are not timed on a GPU yet (benchmarks/RESULTS.md, session 31).
 Measured at Wan 2.1 14B (H200, session 25's profile), those ops take 0.25 + 0.50 and
 0.30 + 0.54 ms a call, 60 + 68 ms of a 2081 ms step. The fused passes take 0.24 and 0.49 ms
-against 0.76 and 0.81 ms (H100, benchmarks/fused_norms_bench.py), and the Wan step 53-65 ms
-less (2096 -> 2032, 2116 -> 2063 ms on an H100, same output), so the blocks are fused by
-default. Flux's QKNorms only with TRITON_ACCEL_FUSED_NORMS=all: the fused launch costs more
+(0.29 since session 31) against 0.76 and 0.81 ms (H100, benchmarks/fused_norms_bench.py), and
+the Wan step 53-65 ms less (session 30: 2096 -> 2032, 2116 -> 2063 ms on an H100, same
+output), so the blocks are fused by default. Flux's QKNorms only with TRITON_ACCEL_FUSED_NORMS=all: the fused launch costs more
 host time than the two RMSNorms it replaces, and the eager Flux step is host-bound
 (docs/settings.md).
 
@@ -47,8 +53,8 @@ import torch
 from ..kernels import env_settings
 from ..kernels.gated_residual_norm import GatedResidualInputError, gated_residual, gated_residual_layer_norm
 from ..kernels.layer_norm_modulate import LayerNormModulateInputError, layer_norm_modulate
-from ..kernels.linear_fp8 import quantize_once
 from ..kernels.layer_norm_modulate import refusal as layer_norm_modulate_refusal
+from ..kernels.linear_fp8 import quantize_once
 from ..kernels.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
 from ..kernels.norm_rope import refusal as norm_rope_refusal
 from ..kernels.qk_norm import QKNormInputError, qk_rms_norm
@@ -264,7 +270,6 @@ def _casts_weights(module: torch.nn.Module) -> bool:
     return bool(d.get("comfy_cast_weights", getattr(cls, "comfy_cast_weights", False))
                 or d.get("weight_function", getattr(cls, "weight_function", ()))
                 or d.get("bias_function", getattr(cls, "bias_function", ())))
-
 
 
 @functools.lru_cache(maxsize=4)
