@@ -27,9 +27,9 @@ with:
   <variant>+lean, <variant>+lean_rowsum  that variant with TRITON_ACCEL_GLUON_VARIANT set so
                while it runs (the Gluon attention kernels' compile-checked loop variants;
                docs/settings.md), e.g. ours-all+lean or ours-all+lean_rowsum+compile
-  <variant>+norms, <variant>+nonorms  that variant with TRITON_ACCEL_FUSED_NORMS=all (Wan
-               blocks' LayerNorm + modulation and q/k RMSNorm + RoPE fused, and Flux-layer
-               QKNorms) or =off (none); neither: the pack's default (Wan blocks only,
+  <variant>+norms, <variant>+blocks, <variant>+nonorms  that variant with
+               TRITON_ACCEL_FUSED_NORMS=all (Wan blocks fused and Flux-layer QKNorms), =blocks
+               (Wan blocks only) or =off (none); none of them: the pack's default (all,
                docs/settings.md), e.g. ours-all+nonorms for the step before the fusion
   <variant>+compile  that variant with ComfyUI's TorchCompileModel (inductor) applied last, as
                a user's graph puts it after the patch nodes ("default+compile" is ComfyUI's
@@ -338,6 +338,7 @@ def profile_step(run, device, folder: Path, label: str) -> None:
     total_ms = (time.perf_counter() - wall) * 1e3
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(70)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"cprofile_{label}.txt").write_text(f"host {host_ms:.1f} ms of {total_ms:.1f} ms (step incl. sync)\n"
                                                    + text.getvalue())
@@ -409,8 +410,8 @@ def fast_launch_state() -> dict:
 
 COMPILED_SUFFIX = "+compile"
 GLUON_VARIANT_SUFFIXES = ("lean", "classic", "lean_rowsum")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
-# +norms / +nonorms: TRITON_ACCEL_FUSED_NORMS=all / off (unset otherwise: the pack's default)
-NORMS_SUFFIXES = {"norms": "all", "nonorms": "off"}
+# +norms / +blocks / +nonorms: TRITON_ACCEL_FUSED_NORMS=all / blocks / off (unset otherwise: the pack's default)
+NORMS_SUFFIXES = {"norms": "all", "nonorms": "off", "blocks": "blocks"}
 
 
 def dynamo_summary() -> dict:

@@ -156,6 +156,28 @@ def run_shape(name, tokens, heads, head_dim, device, bench):
     ref = torch.addcmul(x, y, e[5])
     row("gated residual", "torch addcmul (ComfyUI)", lambda: torch.addcmul(x, y, e[5]), passes=3)
     row("gated residual", "ours", lambda: grn.gated_residual(x, y, e[5]), ref, passes=3)
+    # norm2 after the cross-attention: x + y, then LayerNorm + modulation, and (e4m3 rows) what
+    # the FFN's FP8 Linear reads: before session 32 torch's add, our LayerNorm + modulation and
+    # the Linear's own quantisation; now one pass writing x, the output and its e4m3 rows.
+    lf = importlib.import_module(pack.__name__ + ".kernels.linear_fp8")
+
+    def before_norm2():
+        h = x + y
+        out = lnm.layer_norm_modulate(h, e[3], e[4], 1e-6)
+        return h, out, lf.quantize_activation(out.view(-1, c))
+
+    ref = torch.addcmul(e[3], torch.nn.functional.layer_norm(x + y, (c,), eps=1e-6), 1 + e[4])
+    row("residual+layernorm+modulate (+e4m3 rows)", "torch add + ours LN-mod + FP8 Linear's quantisation",
+        before_norm2, passes=5)
+    row("residual+layernorm+modulate (+e4m3 rows)", "ours, one pass",
+        lambda: lnm.residual_layer_norm_modulate(x, e[3], e[4], 1e-6, residual=y), passes=4)
+    rows[-1].update(compare(lnm.residual_layer_norm_modulate(x, e[3], e[4], 1e-6, residual=y)[1], ref))
+    row("residual+layernorm+modulate (+e4m3 rows)", "ours, one pass with e4m3 rows",
+        lambda: lnm.residual_layer_norm_modulate(x, e[3], e[4], 1e-6, residual=y, fp8_rows=True), passes=5)
+    _, out, rows8 = lnm.residual_layer_norm_modulate(x, e[3], e[4], 1e-6, residual=y, fp8_rows=True)
+    q8, s8 = lf.quantize_activation(out.view(-1, c))
+    rows[-1]["rows_equal_linear_quantisation"] = bool(torch.equal(rows8[0].view(torch.uint8), q8.view(torch.uint8))
+                                                      and torch.equal(rows8[1], s8))
     return rows
 
 
@@ -190,7 +212,9 @@ def main():
             continue
         base = first.setdefault((r["shape"], r["op"]), r["ms"])
         print(f"{r['shape']} | {r['op']} | {r['variant']} | {r['ms']:.4f} | {r['gb_s']:.0f} | {base / r['ms']:.2f}x | "
-              f"{r.get('identical', '')} | {r.get('rel_l2', '')}")
+              f"{r.get('identical', '')} | {r.get('rel_l2', '')}"
+              + (f" | e4m3 rows = the Linear's: {r['rows_equal_linear_quantisation']}"
+                 if "rows_equal_linear_quantisation" in r else ""))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device calls of sessions 30-31 (benchmarks/RESULTS.md), one stage per call, each ≤ 600 s on an H100/H200:
+# Device calls of sessions 30-32 (benchmarks/RESULTS.md), one stage per call, each ≤ 600 s on an H100/H200:
 #   bash benchmarks/gpu_runs.sh norms       fused-norm kernels beside ComfyUI's ops; Wan e2e with and
 #                                           without fused norms and lean; Flux e2e with the QK norm
 #   bash benchmarks/gpu_runs.sh norms-abba  Flux ABBA with / without the QK norm, Wan again, lean loops
@@ -7,6 +7,14 @@
 #                                           sm90, kernel and Wan e2e (session 31)
 #   bash benchmarks/gpu_runs.sh s31         session 31's final code: the residual kernels beside
 #                                           ComfyUI's ops, Wan e2e
+#   bash benchmarks/gpu_runs.sh s32         s31 plus Wan without fused norms and Flux default/ours ABAB
+#   bash benchmarks/gpu_runs.sh s32b        Flux ABBA with / without the fused QK norm; one profiled step
+#                                           of each variant (E2E_KPROFILE), Wan ours-all's too
+#   bash benchmarks/gpu_runs.sh s32c        session 32's final code (QK norms on by default, e4m3 rows
+#                                           from the norms, residual + norm2): Wan and Flux e2e
+#   bash benchmarks/gpu_runs.sh s32d        Flux default / ours-all with one cProfiled step each
+#   bash benchmarks/gpu_runs.sh s32e        the norm2 pass beside what it replaces; Wan ABBA; Flux ABBA
+#                                           with / without the QK norms (+blocks)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -44,5 +52,34 @@ s31)
     PYTHONPATH=/tmp/ck timeout 70 python3 benchmarks/fused_norms_bench.py --shapes wan14b --out $R > $R/norms.txt 2>&1
     tail -14 $R/norms.txt
     e2e e2e_wan31 150 --models wan --variants default ours-all --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean or s31"; exit 2 ;;
+s32)
+    python3 -m zipfile -e $CK /tmp/ck
+    PYTHONPATH=/tmp/ck timeout 70 python3 benchmarks/fused_norms_bench.py --shapes wan14b --out $R > $R/norms.txt 2>&1
+    tail -14 $R/norms.txt
+    e2e e2e_wan32 230 --models wan --variants default ours-all ours-all+nonorms ours-all --steps 3
+    e2e e2e_flux32 170 --models flux --variants default ours-all default ours-all --steps 4 ;;
+s32b)
+    export E2E_KPROFILE=/tmp/kprof; mkdir -p /tmp/kprof
+    e2e e2e_flux32b 260 --models flux --variants default ours-all ours-all+norms ours-all+norms ours-all default --steps 5
+    e2e e2e_wan32b 100 --models wan --variants ours-all --steps 2
+    tar czf $R/kprof.tgz -C /tmp kprof; grep -h "device total\|timeline" /tmp/kprof/*.txt ;;
+s32c)
+    export E2E_KPROFILE=/tmp/kprof; mkdir -p /tmp/kprof
+    e2e e2e_wan32c 260 --models wan --variants default ours-all ours-all --steps 3
+    E2E_KPROFILE= e2e e2e_flux32c 230 --models flux --variants default ours-all ours-all default ours-all --steps 5
+    tar czf $R/kprof.tgz -C /tmp kprof; grep -h "device total\|timeline" /tmp/kprof/*.txt
+    grep -h "_quant_rows_fp8\|_layer_norm_modulate\|_gated_residual_norm\|CUDAFunctor_add<c10::BFloat16>" \
+        /tmp/kprof/kprofile_wan_ours-all.txt | cut -c1-90 ;;
+s32d)
+    mkdir -p /tmp/cprof
+    E2E_CPROFILE=/tmp/cprof e2e e2e_flux32d 150 --models flux --variants default ours-all --steps 3
+    tar czf $R/cprof.tgz -C /tmp cprof; head -3 /tmp/cprof/*.txt ;;
+s32e)
+    python3 -m zipfile -e $CK /tmp/ck
+    PYTHONPATH=/tmp/ck timeout 70 python3 benchmarks/fused_norms_bench.py --shapes wan14b --out $R > $R/norms.txt 2>&1
+    tail -17 $R/norms.txt
+    e2e e2e_wan32e 260 --models wan --variants default ours-all ours-all default --steps 3
+    e2e e2e_flux32e 240 --models flux --variants default ours-all ours-all+blocks ours-all+blocks ours-all default \
+        --steps 5 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d or s32e"; exit 2 ;;
 esac

@@ -16,6 +16,9 @@ dtype (addcmul's output, the residual stream); the LayerNorm of that rounded row
 variance in fp32 (two passes over the row held in registers), times weight plus bias in fp32,
 rounded once (LayerNorm's output).
 
+gated_residual_layer_norm_rows also writes the norm as the FP8 Linear's e4m3 activation rows
+(layer_norm_modulate.py says why): Wan's norm3 output feeds the cross-attention's q Linear.
+
 Layout: x and y [B, L, C] or [M, C] with unit last stride, in one dtype; gate [B or 1, 1, C]
 or [B or 1, C] in that dtype (one vector per batch element), or None for a plain x + y.
 Rows up to MAX_CHANNELS are held in registers (Wan 1536 / 5120).
@@ -38,7 +41,7 @@ from . import direct_launch
 from .kernel_common import batch_vector, exact_bf16, layer_norm_inputs, next_pow2, row_kernel_refusal
 
 if triton is not None:
-    from .kernel_common import layer_norm_row, to_output_dtype
+    from .kernel_common import layer_norm_row, store_fp8_row, to_output_dtype
 
 log = logging.getLogger("triton_accel.kernels.gated_residual_norm")  # not __name__: the clone's folder name
 
@@ -60,9 +63,10 @@ class GatedResidualInputError(ValueError):
 if triton is not None:
 
     @triton.jit
-    def _gated_residual_norm(X, R, G, W, B, XO, NO, L, C, stride_xm, stride_rm, stride_om, stride_gb, eps,
+    def _gated_residual_norm(X, R, G, W, B, XO, NO, Q, QS, L, C, stride_xm, stride_rm, stride_om, stride_gb, eps,
                              BLOCK_C: tl.constexpr, HAS_GATE: tl.constexpr, NORM: tl.constexpr,
-                             HAS_AFFINE: tl.constexpr, EXACT_BF16: tl.constexpr):
+                             HAS_AFFINE: tl.constexpr, FP8_ROWS: tl.constexpr, EXACT_BF16: tl.constexpr,
+                             EXACT_CAST: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_C)
         mask = offs < C
@@ -77,8 +81,12 @@ if triton is not None:
         h = to_output_dtype(h, XO.dtype.element_ty, EXACT_BF16)
         tl.store(XO + row * stride_om + offs, h, mask=mask)
         if NORM:
-            n = layer_norm_row(h.to(tl.float32), mask, C, eps, W, B, offs, HAS_AFFINE)
-            tl.store(NO + row * stride_om + offs, to_output_dtype(n, NO.dtype.element_ty, EXACT_BF16), mask=mask)
+            n = to_output_dtype(layer_norm_row(h.to(tl.float32), mask, C, eps, W, B, offs, HAS_AFFINE),
+                                NO.dtype.element_ty, EXACT_BF16)
+            tl.store(NO + row * stride_om + offs, n, mask=mask)
+            if FP8_ROWS:
+                # The next Linear's e4m3 rows, from the values just stored (masked lanes are 0).
+                store_fp8_row(Q + row * C, QS + row, n.to(tl.float32), offs, mask, EXACT_CAST)
 
 
 def _warps(block_c: int) -> int:
@@ -103,27 +111,35 @@ def _check(x: torch.Tensor, y: torch.Tensor, weight, bias) -> tuple[int, int, in
     return dims
 
 
-def _launch(x, y, gate, eps: float, weight, bias, norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(x, y, gate, eps: float, weight, bias, norm: bool, fp8_rows: bool = False) -> list[torch.Tensor]:
+    """[x + y * gate, then its norm where asked, then the norm's e4m3 rows and their scales
+    where fp8_rows]."""
     batch, tokens, channels = _check(x, y, weight, bias)
+    fp8_rows = fp8_rows and norm
     gate2 = None if gate is None else batch_vector(gate, "gate", x, batch, channels, GatedResidualInputError)
     x2d, y2d = _rows(x, channels), _rows(y, channels)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if norm else None
     rows = x2d.shape[0]
+    outs = [out] if normed is None else [out, normed]
+    if fp8_rows:
+        outs += [torch.empty((rows, channels), dtype=torch.float8_e4m3fn, device=x.device),
+                 torch.empty((rows,), dtype=torch.float32, device=x.device)]
     if rows == 0:
-        return out, normed
+        return outs
     block_c = next_pow2(channels, 1)
     stride_gb = gate2.stride(0) if gate2 is not None and gate2.shape[0] > 1 else 0
     out2d = out.view(-1, channels)
     w, b = (weight, bias) if weight is not None else (x2d, x2d)  # never read without HAS_AFFINE
+    q, qs = (outs[-2], outs[-1]) if fp8_rows else (out2d, out2d)  # never written without FP8_ROWS
     args = (x2d, y2d, x2d if gate2 is None else gate2, w, b, out2d, out2d if normed is None else normed.view(-1, channels),
-            tokens, channels, x2d.stride(0), y2d.stride(0), channels, stride_gb, float(eps))
+            q, qs, tokens, channels, x2d.stride(0), y2d.stride(0), channels, stride_gb, float(eps))
     consts = dict(BLOCK_C=block_c, HAS_GATE=gate2 is not None, NORM=norm, HAS_AFFINE=weight is not None,
-                  EXACT_BF16=exact_bf16(x))
-    # The plan check compares the last output written (the norm depends on the residual too).
+                  FP8_ROWS=fp8_rows, EXACT_BF16=exact_bf16(x), EXACT_CAST=x.device.type == "cpu")
+    # The plan check compares the norm where there is one (it depends on the residual too).
     direct_launch.jit_or_plan(_gated_residual_norm, (rows,), args, consts, 6 if norm else 5, "gated_residual_norm",
                               num_warps=_warps(block_c))
-    return out, normed
+    return outs
 
 
 refusal = row_kernel_refusal  # why a device cannot run the kernel (None: it can)
@@ -153,13 +169,17 @@ def _register_op() -> None:
     @torch.library.custom_op(OP_QUALNAME, mutates_args=())
     def gated_residual_norm_op(x: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tensor], eps: float,
                                weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                               norm: bool) -> list[torch.Tensor]:
-        out, normed = _launch(x, y, gate, eps, weight, bias, norm)
-        return [out] if normed is None else [out, normed]
+                               norm: bool, fp8_rows: bool = False) -> list[torch.Tensor]:
+        return _launch(x, y, gate, eps, weight, bias, norm, fp8_rows)
 
     @gated_residual_norm_op.register_fake
-    def _(x, y, gate, eps, weight, bias, norm):
-        return [x.new_empty(x.shape) for _ in range(2 if norm else 1)]
+    def _(x, y, gate, eps, weight, bias, norm, fp8_rows=False):
+        outs = [x.new_empty(x.shape) for _ in range(2 if norm else 1)]
+        if fp8_rows and norm:
+            rows = x.numel() // x.shape[-1]
+            outs += [x.new_empty((rows, x.shape[-1]), dtype=torch.float8_e4m3fn),
+                     x.new_empty((rows,), dtype=torch.float32)]
+        return outs
 
 
 _REGISTRATION_ERROR: str | None = None
@@ -169,7 +189,7 @@ except Exception as e:  # an older torch without torch.library.custom_op: eager 
     _REGISTRATION_ERROR = f"{type(e).__name__}: {e}"
 
 
-def _call(x, y, gate, eps, weight, bias, norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _call(x, y, gate, eps, weight, bias, norm: bool, fp8_rows: bool = False) -> list[torch.Tensor]:
     reason = refusal(x.device)
     if reason is not None:
         raise GatedResidualInputError(reason)
@@ -177,9 +197,8 @@ def _call(x, y, gate, eps, weight, bias, norm: bool) -> tuple[torch.Tensor, torc
         batch, _, channels = _check(x, y, weight, bias)
         if gate is not None:
             batch_vector(gate, "gate", x, batch, channels, GatedResidualInputError)
-        outs = torch.ops.triton_accel.gated_residual_norm(x, y, gate, float(eps), weight, bias, norm)
-        return outs[0], (outs[1] if norm else None)
-    return _launch(x, y, gate, eps, weight, bias, norm)  # eager: no custom-op dispatch; _launch checks
+        return torch.ops.triton_accel.gated_residual_norm(x, y, gate, float(eps), weight, bias, norm, fp8_rows)
+    return _launch(x, y, gate, eps, weight, bias, norm, fp8_rows)  # eager: no custom-op dispatch; _launch checks
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -194,23 +213,41 @@ def gated_residual_layer_norm(x: torch.Tensor, y: torch.Tensor, gate: torch.Tens
     """(h, layer_norm(h)) for h = x + y * gate (x + y without a gate), the norm over the last dim,
     affine when weight and bias are given. Raises GatedResidualInputError for a call it cannot
     serve (checked before anything runs)."""
-    return _call(x, y, gate, eps, weight, bias, True)
+    h, normed = _call(x, y, gate, eps, weight, bias, True)
+    return h, normed
 
 
-def compile_specs(dtype: str = "bf16", channels: int = 5120, norm: bool = True, affine: bool = True):
+def gated_residual_layer_norm_rows(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor | None, eps: float,
+                                   weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+    """gated_residual_layer_norm's (h, norm) and the norm as the FP8 Linear's e4m3 activation rows,
+    ((e4m3 [M, C], fp32 scales [M])), bit for bit what linear_fp8.quantize_activation makes of
+    it, for linear_fp8.quantize_once: the Linear that reads the norm skips its own pass over it."""
+    h, normed, q, scales = _call(x, y, gate, eps, weight, bias, True, True)
+    return h, normed, (q, scales)
+
+
+def compile_specs(dtype: str = "bf16", channels: int = 5120, norm: bool = True, affine: bool = True,
+                  fp8_rows: bool = False):
     """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...)): a
     launch on contiguous [M, channels] activations with a per-batch gate."""
+    # Without rows the launcher passes the output as a placeholder for Q and QS (never written):
+    # an fp8 pointer type would not compile below sm_89.
+    rows = fp8_rows and norm
+    q_type, qs_type = ("*fp8e4nv", "*fp32") if rows else (f"*{dtype}", f"*{dtype}")
     sig = {"X": f"*{dtype}", "R": f"*{dtype}", "G": f"*{dtype}", "W": f"*{dtype}", "B": f"*{dtype}",
-           "XO": f"*{dtype}", "NO": f"*{dtype}", "L": "i32", "C": "i32", "stride_xm": "i32", "stride_rm": "i32",
-           "stride_om": "i32", "stride_gb": "i32", "eps": "fp32", "BLOCK_C": "constexpr", "HAS_GATE": "constexpr",
-           "NORM": "constexpr", "HAS_AFFINE": "constexpr", "EXACT_BF16": "constexpr"}
+           "XO": f"*{dtype}", "NO": f"*{dtype}", "Q": q_type, "QS": qs_type, "L": "i32", "C": "i32",
+           "stride_xm": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_gb": "i32", "eps": "fp32",
+           "BLOCK_C": "constexpr", "HAS_GATE": "constexpr", "NORM": "constexpr", "HAS_AFFINE": "constexpr",
+           "FP8_ROWS": "constexpr", "EXACT_BF16": "constexpr", "EXACT_CAST": "constexpr"}
     block_c = next_pow2(channels, 1)
-    const = dict(BLOCK_C=block_c, HAS_GATE=True, NORM=norm, HAS_AFFINE=norm and affine, EXACT_BF16=False)
+    const = dict(BLOCK_C=block_c, HAS_GATE=True, NORM=norm, HAS_AFFINE=norm and affine, FP8_ROWS=rows,
+                 EXACT_BF16=False, EXACT_CAST=False)
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
-             for n in ("X", "R", "G", "W", "B", "XO", "NO", "C", "stride_xm", "stride_rm", "stride_om", "stride_gb")}
+             for n in ("X", "R", "G", "W", "B", "XO", "NO", "Q", "QS", "C", "stride_xm", "stride_rm", "stride_om",
+                       "stride_gb")}
     return [(_gated_residual_norm, sig, const, attrs, dict(num_warps=_warps(block_c), num_stages=1))]
 
 
-__all__ = ["gated_residual", "gated_residual_layer_norm", "gated_residual_norm_ref", "refusal",
+__all__ = ["gated_residual", "gated_residual_layer_norm", "gated_residual_layer_norm_rows", "gated_residual_norm_ref", "refusal",
            "GatedResidualInputError", "OP_QUALNAME", "MAX_CHANNELS", "compile_specs"]

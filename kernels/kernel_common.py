@@ -228,6 +228,38 @@ if triton is not None:
         return y.to(DTYPE)
 
 
+    @triton.jit
+    def to_e4m3(y, EXACT_CAST: tl.constexpr):
+        # y is already within +-448. The Triton interpreter's fp32 -> e4m3 conversion drops the
+        # carry when rounding crosses a power of two (31.7 becomes 16) and flushes subnormals:
+        # there, round to e4m3's grid first (3 mantissa bits, subnormal step 2**-9) so the
+        # cast is exact. GPUs convert correctly (cvt.rn.satfinite) and skip this.
+        if EXACT_CAST:
+            e = tl.floor(tl.log2(tl.maximum(tl.abs(y), 0.015625)))
+            step = tl.exp2(e - 3.0)
+            # Round half to even by floor and remainder: y / step is exact (step is a power of
+            # two), where adding 1.5 * 2**23 would round a second time (5.2500005 -> 5.0).
+            r = y / step
+            f = tl.floor(r)
+            d = r - f
+            odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+            y = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f) * step
+        return y.to(tl.float8e4nv)
+
+    @triton.jit
+    def store_fp8_row(q_row, scale_ptr, x, offs, mask, EXACT_CAST: tl.constexpr):
+        # The FP8 Linear's per-token activation format (linear_fp8.quantize_activation): e4m3 of
+        # x * 448 / amax(|x|) at q_row + offs, amax / 448 at scale_ptr. x: the row as the Linear would read it (fp32 of the rounded 16-bit values),
+        # 0 on masked lanes. One definition, so a norm kernel that emits these rows gives the
+        # GEMM the very bits the separate quantisation would.
+        amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-12)
+        inv = tl.math.div_rn(448.0, amax)  # correctly rounded: Triton's '/' is approximate
+        # The clamp keeps a rounding of x * inv just above 448 from overflowing e4m3.
+        y = tl.clamp(x * inv, -448.0, 448.0)
+        tl.store(q_row + offs, to_e4m3(y, EXACT_CAST), mask=mask)
+        tl.store(scale_ptr, amax / 448.0)
+
+
 def exact_bf16(x: torch.Tensor) -> bool:
     """The EXACT_BF16 constexpr of to_output_dtype(): a bf16 output under the interpreter."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu"

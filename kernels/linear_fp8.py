@@ -53,6 +53,9 @@ from . import device as _device
 from .gpu_rules import feature_refusal
 from .kernel_common import arch_family, cdiv, family_in, fp8_device_refusal, next_pow2, sm_count
 
+if triton is not None:
+    from .kernel_common import store_fp8_row, to_e4m3
+
 log = logging.getLogger("triton_accel.kernels.linear_fp8")  # not __name__: the clone's folder name
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -196,24 +199,6 @@ def config_family(arch: str) -> str:
 if triton is not None:
 
     @triton.jit
-    def _to_e4m3(y, EXACT_CAST: tl.constexpr):
-        # y is already within +-448. The Triton interpreter's fp32 -> e4m3 conversion drops the
-        # carry when rounding crosses a power of two (31.7 becomes 16) and flushes subnormals:
-        # there, round to e4m3's grid first (3 mantissa bits, subnormal step 2**-9) so the
-        # cast is exact. GPUs convert correctly (cvt.rn.satfinite) and skip this.
-        if EXACT_CAST:
-            e = tl.floor(tl.log2(tl.maximum(tl.abs(y), 0.015625)))
-            step = tl.exp2(e - 3.0)
-            # Round half to even by floor and remainder: y / step is exact (step is a power of
-            # two), where adding 1.5 * 2**23 would round a second time (5.2500005 -> 5.0).
-            r = y / step
-            f = tl.floor(r)
-            d = r - f
-            odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-            y = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f) * step
-        return y.to(tl.float8e4nv)
-
-    @triton.jit
     def _quant_rows_fp8(X, Y, S, K, stride_xm, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
                         EXACT_CAST: tl.constexpr):
         # One program per row: amax over the row, then e4m3 of x * 448 / amax. Rows that fit
@@ -224,11 +209,7 @@ if triton is not None:
         offs = tl.arange(0, BLOCK_K)
         if ONE_PASS:
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-12)
-            inv = tl.math.div_rn(448.0, amax)  # correctly rounded: Triton's '/' is approximate
-            # The clamp keeps a rounding of x * inv just above 448 from overflowing e4m3.
-            y = tl.clamp(x * inv, -448.0, 448.0)
-            tl.store(y_row + offs, _to_e4m3(y, EXACT_CAST), mask=offs < K)
+            store_fp8_row(y_row, S + row, x, offs, offs < K, EXACT_CAST)
         else:
             acc = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -239,8 +220,8 @@ if triton is not None:
             for k0 in range(0, K, BLOCK_K):
                 x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
                 y = tl.clamp(x * inv, -448.0, 448.0)
-                tl.store(y_row + k0 + offs, _to_e4m3(y, EXACT_CAST), mask=k0 + offs < K)
-        tl.store(S + row, amax / 448.0)
+                tl.store(y_row + k0 + offs, to_e4m3(y, EXACT_CAST), mask=k0 + offs < K)
+            tl.store(S + row, amax / 448.0)
 
     @triton.jit
     def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -682,13 +663,18 @@ class DirectCall:
         return out
 
     def _quantized(self, x: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:
-        """(e4m3 rows, scales) of x; inside quantize_once(x), the copy made there first for this
-        key and stream."""
+        """(e4m3 rows, scales) of x; inside quantize_once(x), the rows given there or the copy
+        made there first for this key and stream."""
         index = self.device_index
         scope = _QUANTIZE_ONCE.get()
         shared = None
-        if scope is not None and scope[0] is x:
-            shared, key = scope[1], (self.quant_key, direct_launch.current_stream(index))
+        if scope is not None and scope.x is x:
+            stream = direct_launch.current_stream(index)
+            rows = scope.rows
+            if rows is not None and stream == scope.stream and rows[0].shape == (self.m, self.k):
+                scope.used += 1
+                return rows
+            shared, key = scope.shared, (self.quant_key, stream)
             hit = shared.get(key)
             if hit is not None:
                 return hit
@@ -701,20 +687,41 @@ class DirectCall:
         return y, s
 
 
-# (activation, {(quant key, stream): (e4m3 rows, scales)}) while a quantize_once block runs.
+class QuantizeOnce:
+    """The state of one quantize_once block: the activation, rows made for it elsewhere (and the
+    stream they were written on), the copies made inside, how many GEMMs read the given rows."""
+
+    __slots__ = ("x", "rows", "stream", "shared", "used")
+
+    def __init__(self, x: torch.Tensor, rows, stream):
+        self.x, self.rows, self.stream = x, rows, stream
+        self.shared: dict = {}
+        self.used = 0
+
+
+# The QuantizeOnce of the quantize_once block that runs, if any.
 _QUANTIZE_ONCE: contextvars.ContextVar = contextvars.ContextVar("triton_accel_quantize_once", default=None)
 
 
+def _stream_of(x: torch.Tensor):
+    """The stream a kernel launched now on x's device writes on (None off CUDA)."""
+    return direct_launch.current_stream(x.device.index or 0) if x.is_cuda else None
+
+
 @contextlib.contextmanager
-def quantize_once(x: torch.Tensor):
+def quantize_once(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Inside this block, the Linear calls that read this very tensor (the same object) share one
     e4m3 copy of it: Wan's q, k and v read one activation, one quantisation instead of three.
+    rows: x's e4m3 rows and scales already made, in quantize_activation's format and bits, on
+    the current stream (a fused norm kernel writes them beside x): then no call quantises x.
     The caller promises x is not written while the block runs: ComfyUI samples under
     torch.inference_mode, whose tensors keep no version counter to check it by. Served by
-    DirectCall (the repeated calls of a signature); the first calls take the checked path."""
-    token = _QUANTIZE_ONCE.set((x, {}))
+    DirectCall (the repeated calls of a signature); the first calls take the checked path.
+    Yields the block's QuantizeOnce (`.used`: how many GEMMs read the given rows)."""
+    scope = QuantizeOnce(x, rows, _stream_of(x) if rows is not None else None)
+    token = _QUANTIZE_ONCE.set(scope)
     try:
-        yield
+        yield scope
     finally:
         _QUANTIZE_ONCE.reset(token)
 

@@ -8,22 +8,26 @@ each).
 What it replaces, per WanAttentionBlock call (comfy/ldm/wan/model.py), everything else staying
 ComfyUI's own modules (Linear layers, attention, cross-attention, FFN, so our Linear and
 attention patches still serve those calls):
-- norm1(x) then addcmul(e[0], ., 1 + e[1]) (and norm2 with e[3], e[4]): one
-  layer_norm_modulate pass each, instead of LayerNorm plus a broadcasting addcmul;
+- norm1(x) then addcmul(e[0], ., 1 + e[1]): one layer_norm_modulate pass;
 - in the self-attention, norm_q(q(x)) then apply_rope1 (and the same for k): one
   rms_norm_rope pass each, instead of torch's RMSNorm plus comfy-kitchen's RoPE; the q, k and
   v Linears inside linear_fp8.quantize_once, so our FP8 Linear quantises their input once;
 - addcmul(x, y, e[2]) then norm3 (the cross-attention's LayerNorm): one gated_residual_layer_norm
-  pass, and the block's last addcmul(x, y, e[5]) as gated_residual, instead of torch's
-  broadcasting addcmul (its non-vectorised kernel) and LayerNorm. These two and the shared
-  quantisation are not timed on a GPU yet (benchmarks/RESULTS.md, session 31).
-Measured at Wan 2.1 14B (H200, session 25's profile), those ops take 0.25 + 0.50 and
-0.30 + 0.54 ms a call, 60 + 68 ms of a 2081 ms step. The fused passes take 0.24 and 0.49 ms
-(0.29 since session 31) against 0.76 and 0.81 ms (H100, benchmarks/fused_norms_bench.py), and
-the Wan step 53-65 ms less (session 30: 2096 -> 2032, 2116 -> 2063 ms on an H100, same
-output), so the blocks are fused by default. Flux's QKNorms only with TRITON_ACCEL_FUSED_NORMS=all: the fused launch costs more
-host time than the two RMSNorms it replaces, and the eager Flux step is host-bound
-(docs/settings.md).
+  pass, instead of torch's broadcasting addcmul (its non-vectorised kernel) and LayerNorm;
+- x + cross_attn(...) then norm2 and addcmul(e[3], ., 1 + e[4]): one pass (the residual input
+  of residual_layer_norm_modulate), and the block's last addcmul(x, y, e[5]) as gated_residual;
+- on sm_89+, the norm1, norm3 and norm2 passes also write their output as the FP8 Linear's
+  e4m3 rows (bit for bit its own quantisation), handed to the Linears that read it (q/k/v,
+  the cross-attention's q, the FFN's first Linear) through quantize_once(x, rows): those skip
+  their quantisation pass. A site whose Linear never reads them (not our FP8 Linear) stops
+  getting them after FP8_ROWS_MISSES calls.
+Measured at Wan 2.1 14B on an H100 (benchmarks/RESULTS.md, sessions 30-32): the fused passes
+take 0.24 (LayerNorm + modulation) and 0.29 (RMSNorm + RoPE) ms against ComfyUI's 0.76 and 0.81
+(benchmarks/fused_norms_bench.py); the Wan step without any of this is 1997 ms against 1892-1895
+with it (session 32, same call), and the e4m3 rows with the residual + norm2 pass took the
+activation quantisation from 50.4 to 30.6 ms a step and the residual add's 13.1 ms away.
+Flux's QKNorms are fused too (10-11 ms less GPU time a Flux 1024² step, session 32);
+TRITON_ACCEL_FUSED_NORMS=blocks keeps them ComfyUI's (docs/settings.md).
 
 How, and why this way:
 - Each block's `forward` becomes an object patch on the patched clone (as the Linear patch
@@ -42,6 +46,7 @@ How, and why this way:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -51,8 +56,10 @@ import types
 import torch
 
 from ..kernels import env_settings
-from ..kernels.gated_residual_norm import GatedResidualInputError, gated_residual, gated_residual_layer_norm
-from ..kernels.layer_norm_modulate import LayerNormModulateInputError, layer_norm_modulate
+from ..kernels.gated_residual_norm import (GatedResidualInputError, gated_residual, gated_residual_layer_norm,
+                                           gated_residual_layer_norm_rows)
+from ..kernels.kernel_common import fp8_device_refusal
+from ..kernels.layer_norm_modulate import LayerNormModulateInputError, residual_layer_norm_modulate
 from ..kernels.layer_norm_modulate import refusal as layer_norm_modulate_refusal
 from ..kernels.linear_fp8 import quantize_once
 from ..kernels.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
@@ -73,6 +80,13 @@ CALLBACK_KEY = "triton_accel_fused_norms"
 # this module was written for.
 GUARD_MAX_REL_L2 = 0.01
 WAN_MODULE = "comfy.ldm.wan.model"
+
+# A site (the Linear after one of the block's norms) stops getting e4m3 rows from the norm
+# kernel after this many calls in a row in which no GEMM read them: its Linear is not our FP8
+# one (another mode, LoRA, dynamic VRAM...), and the rows would be 0.05 ms of writes a call
+# for nothing. Our FP8 Linear reads them from its third call on (DirectCall), so this is more
+# than the calls before that.
+FP8_ROWS_MISSES = 4
 
 REASON_PATCHES = "attn1/attn2 patches of another node"
 REASON_FALLBACK = "block failed the first-call check"
@@ -157,6 +171,11 @@ class FusedWanBlock(_GuardedPatch):
 
     PATH = PATH
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # site -> calls in a row whose e4m3 rows no GEMM read (FP8_ROWS_MISSES)
+        self.fp8_rows_misses: dict[str, int] = {}
+
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self.previous(*args, **kwargs)  # traced as ComfyUI's: not counted, like the Linear patch
@@ -198,15 +217,53 @@ class FusedWanBlock(_GuardedPatch):
         # ComfyUI 0.3.x hands [B, 6, C]; 0.4+ [B, T, 6, C] with T = 1 here (_one_modulation).
         e = (modulation + e).chunk(6, dim=1) if e.dim() == 3 else (modulation.unsqueeze(0) + e).unbind(2)
         x = x.contiguous()
-        y = _self_attention(block.self_attn, layer_norm_modulate(x, e[0], e[1], block.norm1.eps), freqs,
-                            transformer_options)
-        x, normed = _gated_residual_norm3(block.norm3, x, y, e[2])
-        del y
-        x = x + block.cross_attn(normed, context, context_img_len=context_img_len,
+        rows_ok = _fp8_rows_refusal(x.device) is None
+        _, h, rows = residual_layer_norm_modulate(x, e[0], e[1], block.norm1.eps,
+                                                  fp8_rows=self._wants_rows("qkv", rows_ok))
+        y = _self_attention(block.self_attn, h, freqs, transformer_options, rows, self._rows_read("qkv"))
+        x, normed, rows = _gated_residual_norm3(block.norm3, x, y, e[2], self._wants_rows("cross_q", rows_ok))
+        del y, h
+        with _rows_scope(normed, rows, self._rows_read("cross_q")):
+            y = block.cross_attn(normed, context, context_img_len=context_img_len,
                                  transformer_options=transformer_options)
         del normed
-        y = block.ffn(layer_norm_modulate(x, e[3], e[4], block.norm2.eps))
+        # x + cross-attention, then norm2 and its modulation, in one pass.
+        x, h, rows = residual_layer_norm_modulate(x, e[3], e[4], block.norm2.eps, residual=y,
+                                                  fp8_rows=self._wants_rows("ffn", rows_ok))
+        with _rows_scope(h, rows, self._rows_read("ffn")):
+            y = block.ffn(h)
         return gated_residual(x, y, e[5])
+
+    def _wants_rows(self, site: str, rows_ok: bool) -> bool:
+        return rows_ok and self.fp8_rows_misses.get(site, 0) < FP8_ROWS_MISSES
+
+    def _rows_read(self, site: str):
+        """What a _rows_scope reports to: whether a GEMM read the site's rows this call."""
+        def note(read: bool) -> None:
+            misses = 0 if read else self.fp8_rows_misses.get(site, 0) + 1
+            self.fp8_rows_misses[site] = misses
+            if misses == FP8_ROWS_MISSES:
+                log.debug("Triton Accel fused norms: %s's %s Linear does not read FP8 rows; not made any more",
+                          self.name, site)
+        return note
+
+
+@functools.lru_cache(maxsize=16)
+def _fp8_rows_refusal(device: torch.device) -> str | None:
+    """Why the norm kernels cannot emit e4m3 rows on `device` (sm_89+, the FP8 Linear's rule)."""
+    return fp8_device_refusal(device, "FP8 activation rows")
+
+
+@contextlib.contextmanager
+def _rows_scope(x: torch.Tensor, rows, note):
+    """quantize_once(x, rows) where the norm kernel made rows (the Linear that reads x reads them
+    instead of quantising x), then note(whether a GEMM did); nothing where it made none."""
+    if rows is None:
+        yield
+        return
+    with quantize_once(x, rows) as scope:
+        yield
+    note(scope.used > 0)
 
 
 def _one_modulation(e: torch.Tensor, x: torch.Tensor) -> bool:
@@ -288,31 +345,37 @@ def _norm_rope(norm, x: torch.Tensor, freqs: torch.Tensor, head_dim: int) -> tor
             release()
 
 
-def _gated_residual_norm3(norm, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor):
-    """(x + y * gate, norm3 of it) in one pass where norm3 is ComfyUI's LayerNorm over the
-    channels (Wan's cross_attn_norm) or an Identity; any other norm runs as it is on the fused
-    residual."""
+def _gated_residual_norm3(norm, x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, fp8_rows: bool = False):
+    """(x + y * gate, norm3 of it, the norm's e4m3 rows or None) in one pass where norm3 is
+    ComfyUI's LayerNorm over the channels (Wan's cross_attn_norm) or an Identity; any other norm
+    runs as it is on the fused residual. Rows only where asked and the norm is fused."""
     if isinstance(norm, torch.nn.LayerNorm) and tuple(norm.normalized_shape) == (x.shape[-1],):
         weight, bias, release = _norm_params(norm, x)
         try:
             if (weight is None) == (bias is None):
-                return gated_residual_layer_norm(x, y, gate, norm.eps, weight, bias)
+                if fp8_rows:
+                    return gated_residual_layer_norm_rows(x, y, gate, norm.eps, weight, bias)
+                return (*gated_residual_layer_norm(x, y, gate, norm.eps, weight, bias), None)
         finally:
             if release is not None:
                 release()
     h = gated_residual(x, y, gate)
-    return h, (h if isinstance(norm, torch.nn.Identity) else norm(h))
+    return h, (h if isinstance(norm, torch.nn.Identity) else norm(h)), None
 
 
-def _self_attention(attn, x: torch.Tensor, freqs: torch.Tensor, transformer_options: dict) -> torch.Tensor:
+def _self_attention(attn, x: torch.Tensor, freqs: torch.Tensor, transformer_options: dict, rows=None,
+                    note=None) -> torch.Tensor:
     """WanSelfAttention.forward with each of q and k normalised and rotated in one pass (calls
     with attn1 patches never get here). x is the fused LayerNorm's fresh output, read by the q,
-    k and v Linears and written by nobody: our FP8 Linear quantises it once for the three."""
+    k and v Linears and written by nobody: our FP8 Linear quantises it once for the three, or
+    reads `rows` (x's e4m3 rows from the norm kernel, then note(whether a GEMM did))."""
     b, s, n, d = *x.shape[:2], attn.num_heads, attn.head_dim
-    with quantize_once(x):
+    with quantize_once(x, rows) as scope:
         q = _norm_rope(attn.norm_q, attn.q(x), freqs, d)
         k = _norm_rope(attn.norm_k, attn.k(x), freqs, d)
         v = attn.v(x)
+    if rows is not None and note is not None:
+        note(scope.used > 0)
     out = _wan_globals(attn)["optimized_attention"](q.view(b, s, n * d), k.view(b, s, n * d), v.view(b, s, n * d),
                                                      heads=n, transformer_options=transformer_options)
     return attn.o(out)
@@ -426,9 +489,8 @@ def patch_fused_norms(patched, label: str) -> int:
     diffusion_model = getattr(getattr(patched, "model", None), "diffusion_model", None)
     if not isinstance(diffusion_model, torch.nn.Module):
         return 0
-    # Flux's QKNorms only on request: the fused call saves ~0.13 ms of GPU time at 1024² but
-    # costs more host time than ComfyUI's two RMSNorm calls, and the eager Flux step is
-    # host-bound (session 30 on an H100: 121 -> 121-145 ms a step).
+    # Flux's QKNorms unless TRITON_ACCEL_FUSED_NORMS=blocks: 10-11 ms less GPU time in a Flux
+    # 1024² step (session 32's profiles on an H100: 105.0 / 106.6 against 116.2 / 116.5 ms).
     count = _patch_qk_norms(patched, diffusion_model, label) if env_settings.fused_norms() == "all" else 0
     blocks = getattr(diffusion_model, "blocks", None)
     guard = Guard()

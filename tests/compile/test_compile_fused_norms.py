@@ -31,6 +31,10 @@ AMD = {"gfx942": ("gfx942", 64), "gfx1100": ("gfx1100", 32)}
 CASES = [("norm_rope", {"dtype": "bf16"}), ("layer_norm_modulate", {"dtype": "bf16"}),
          ("qk_norm", {"dtype": "bf16"}), ("gated_residual_norm", {"dtype": "bf16"}),
          ("layer_norm_modulate", {"dtype": "bf16", "affine": True}), ("gated_residual_norm", {"dtype": "bf16", "norm": False})]
+# The norm kernels' e4m3 rows for the FP8 Linear (sm_89+, where that Linear runs): Wan's norm2
+# after the cross-attention's residual, and norm3 after the gated residual.
+FP8_ROWS_CASES = [("layer_norm_modulate", {"dtype": "bf16", "residual": True, "fp8_rows": True}),
+                  ("gated_residual_norm", {"dtype": "bf16", "fp8_rows": True})]
 TURING_CASES = [("norm_rope", {"dtype": "fp16"}), ("layer_norm_modulate", {"dtype": "fp16"}),
                 ("qk_norm", {"dtype": "fp16"}), ("gated_residual_norm", {"dtype": "fp16"})]
 
@@ -79,7 +83,7 @@ if __name__ == "__main__":
 def _jobs():
     jobs = []
     for target, cc in NVIDIA.items():
-        for module, kwargs in (TURING_CASES if cc == 75 else CASES):
+        for module, kwargs in (TURING_CASES if cc == 75 else CASES + (FP8_ROWS_CASES if cc >= 89 else [])):
             jobs.append((target, "cuda", cc, 32, module, kwargs))
     for target, (arch, warp) in AMD.items():
         for module, kwargs in CASES[:4]:
@@ -123,6 +127,11 @@ def test_fused_norm_kernels_compile(report, job):
             assert "rsqrt.approx" in ptx
         if kwargs["dtype"] == "bf16" and NVIDIA[target] >= 80:
             assert "cvt.rn.bf16" in ptx, "bf16 outputs must round to nearest"
+        if kwargs.get("fp8_rows"):
+            # e4m3 by the hardware's saturating round-to-nearest conversion, the scale by an
+            # IEEE division (quantize_activation's bits).
+            assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), "no e4m3 conversion"
+            assert re.search(r"div\.rn\.f32", ptx), "the scale's division is not correctly rounded"
         if r["kernel"] == "_rms_norm_rope":
             # Every load is a vector: the rope table too (as gathers of 4-byte coefficients it
             # was 64 scalar loads per thread and the kernel ran at half the LayerNorm's GB/s).

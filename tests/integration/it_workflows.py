@@ -125,7 +125,7 @@ def patch(mode: str | None = "fp16", device: str = "auto"):
 
 def fused_norms(item: tuple, norms: str) -> tuple:
     """A PATCH or COMBINED_PATCH model_chain item run with TRITON_ACCEL_FUSED_NORMS=norms ("all",
-    "blocks" (the pack's default) or "off") through the TritonAccelTestFusedNorms test node;
+    "blocks" or "off"; unset, the pack's default, is "all") through the TritonAccelTestFusedNorms test node;
     the combined node then gets skip "auto" and min_tokens 1, as linear_patch() gives it."""
     node, inputs = item
     wrapped = {"node": node, "attn1_patch": False, "fused_norms": norms}

@@ -1,6 +1,6 @@
 """TRITON_ACCEL_FUSED_NORMS in a real ComfyUI: Wan's attention blocks with the fused LayerNorm +
-modulation and q/k RMSNorm + RoPE (nodes/patch_fused_norms.py), on the CPU under the
-interpreter, where ComfyUI runs the tiny Wan 2.1 in fp32.
+modulation and q/k RMSNorm + RoPE (nodes/patch_fused_norms.py), and the QKNorms of Flux's layers,
+on the CPU under the interpreter, where ComfyUI runs the tiny models in fp32.
 
 Tolerance against the same chain without the fused norms: rel. L2 of the sampled latent
 < 1e-5. Both sides run the same Linear / attention; the fused kernels differ from torch's
@@ -61,7 +61,7 @@ def test_fused_norms_match_the_unfused_patch(comfy):
 def test_the_patch_node_fuses_wan_blocks_by_default(comfy):
     """No setting: the plain patch node fuses Wan's blocks (TRITON_ACCEL_FUSED_NORMS unset in
     the server), with the latent of the explicitly fused run."""
-    fused_latent, _ = _sample(comfy, [fused(norms="blocks")], "blocks")
+    fused_latent, _ = _sample(comfy, [fused(norms="all")], "all")
     latent, stats = _sample(comfy, [patch("fp16")], "default")
     norms = _kind(stats, "norms")
     assert norms["paths"] == {"fused_norms": STEPS_BLOCK_CALLS} and norms["handed_back"] == 0, norms
@@ -105,16 +105,18 @@ def test_attention_off_patches_no_block(comfy):
 @pytest.mark.parametrize("family", ["flux", "hunyuan_video"])
 def test_flux_qk_norms_fused(comfy, family):
     """Every QKNorm of comfy/ldm/flux/layers.py (Flux's and HunyuanVideo's double and single
-    blocks) served by the one-launch QK norm, the latent unchanged within fp32 sum order."""
+    blocks) served by the one-launch QK norm by default (the plain patch node, setting unset),
+    the latent unchanged within fp32 sum order against TRITON_ACCEL_FUSED_NORMS=blocks (no Wan
+    block in these models: nothing fused)."""
     def sample(chain, tag):
         prompt, save, _ = sampling_workflow(family, model_chain=chain, tag=tag, models=comfy.models)
         comfy.reset_stats()
         entry = comfy.run(prompt)
         return read_latent(comfy, entry, save), comfy.stats()
 
-    plain, plain_stats = sample([patch("fp16")], "plain")  # the default fuses no QKNorm
+    plain, plain_stats = sample([fused(norms="blocks")], "plain")  # blocks: no QKNorm fused
     assert _kind(plain_stats, "norms")["served"] == 0, _kind(plain_stats, "norms")
-    latent, stats = sample([fused()], "fused")
+    latent, stats = sample([patch("fp16")], "default")
     norms = _kind(stats, "norms")
     err = rel_l2(latent, plain)
     print(f"\n[{family}] fused QK norms vs unfused: rel L2 {err:.3e}; norms {norms}")

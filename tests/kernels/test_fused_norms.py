@@ -308,14 +308,20 @@ def comfy_gated_residual_norm(x, y, gate, eps, weight=None, bias=None):
     return h, n
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name,batch,tokens,channels", LN_SHAPES, ids=[s[0] for s in LN_SHAPES])
-def test_gated_residual_layer_norm_matches_comfyui(dtype, name, batch, tokens, channels):
+def gated_residual_inputs(batch, tokens, channels, dtype):
+    """(x, y, gate, weight, bias) of Wan's residual after the self-attention and norm3."""
     x = activations(batch, tokens, channels, dtype)
     y = activations(batch, tokens, channels, dtype, seed=7) * 0.5
     g = torch.Generator().manual_seed(8)
     gate = (torch.randn(batch, 1, channels, generator=g) * 0.4).to(dtype)
     weight, bias = (torch.rand(channels, generator=g) + 0.5).to(dtype), torch.randn(channels, generator=g).to(dtype)
+    return x, y, gate, weight, bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,batch,tokens,channels", LN_SHAPES, ids=[s[0] for s in LN_SHAPES])
+def test_gated_residual_layer_norm_matches_comfyui(dtype, name, batch, tokens, channels):
+    x, y, gate, weight, bias = gated_residual_inputs(batch, tokens, channels, dtype)
     h, n = grn.gated_residual_layer_norm(x, y, gate, 1e-6, weight, bias)
     rh, rn = grn.gated_residual_norm_ref(x, y, gate, 1e-6, weight, bias)
     ch, cn = comfy_gated_residual_norm(x, y, gate, 1e-6, weight, bias)
@@ -450,3 +456,105 @@ def test_direct_launch_records_every_constexpr_and_the_output(monkeypatch):
     assert misaligned != aligned
     assert batch2 != aligned
     assert rope_with_weight != rope_without_weight
+
+
+# ---- the norm kernels' residual input and e4m3 rows (Wan's norm2 after the cross-attention) --
+# The rows are the FP8 Linear's activation format: they must equal linear_fp8.quantize_activation
+# of the norm's 16-bit output bit for bit (the GEMM then computes what it would have), on
+# inputs with outlier channels (the row amax sits on them).
+
+def _fp8_rows_equal(rows, out):
+    from triton_accel.kernels import linear_fp8
+
+    q, scales = linear_fp8.quantize_activation(out.reshape(-1, out.shape[-1]))
+    assert rows[0].dtype == torch.float8_e4m3fn and rows[0].shape == q.shape and rows[0].is_contiguous()
+    assert torch.equal(rows[0].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(rows[1], scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,batch,tokens,channels", LN_SHAPES, ids=[s[0] for s in LN_SHAPES])
+@pytest.mark.parametrize("residual", [False, True], ids=["no_residual", "residual"])
+def test_residual_layer_norm_modulate_matches_comfyui_and_its_rows_the_linear_quantisation(
+        dtype, name, batch, tokens, channels, residual):
+    """h = x + r (ComfyUI's `x = x + cross_attn(...)`, in x's dtype), then norm2 + modulation of
+    h, and the result's e4m3 rows; without a residual, h is x itself."""
+    x = activations(batch, tokens, channels, dtype)
+    r = activations(batch, tokens, channels, dtype, seed=5) * 0.3 if residual else None
+    e = (torch.randn(batch, 6, channels, generator=torch.Generator().manual_seed(2)) * 0.4).to(dtype).chunk(6, dim=1)
+    h, out, rows = lnm.residual_layer_norm_modulate(x, e[3], e[4], 1e-6, residual=r, fp8_rows=True)
+    ref_h = x if r is None else (x + r)  # one rounding of the fp32 sum (CPU 16-bit adds compute in fp32)
+    if r is None:
+        assert h is x
+    else:
+        check(h, ref_h, dtype)
+    check(out, comfy_layer_norm_modulate(ref_h, e[3], e[4], 1e-6), dtype)
+    _fp8_rows_equal(rows, out)
+    h2, out2, none = lnm.residual_layer_norm_modulate(x, e[3], e[4], 1e-6, residual=r)
+    assert none is None and torch.equal(out2, out) and torch.equal(h2, h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,batch,tokens,channels", LN_SHAPES, ids=[s[0] for s in LN_SHAPES])
+def test_gated_residual_layer_norm_rows_are_the_linear_quantisation(dtype, name, batch, tokens, channels):
+    x, y, gate, weight, bias = gated_residual_inputs(batch, tokens, channels, dtype)
+    h, n, rows = grn.gated_residual_layer_norm_rows(x, y, gate, 1e-6, weight, bias)
+    rh, rn = grn.gated_residual_layer_norm(x, y, gate, 1e-6, weight, bias)
+    assert torch.equal(h, rh) and torch.equal(n, rn)
+    _fp8_rows_equal(rows, n)
+
+
+@pytest.mark.parametrize("case", ["zero_row", "strided_residual", "broadcast_batch"])
+def test_residual_layer_norm_modulate_edge_cases(case):
+    """An output row of zeros (its amax floors at 1e-12: finite scale, e4m3 zeros), a residual read
+    through a row-strided view, one modulation for two batch elements."""
+    dtype = torch.bfloat16
+    x = activations(2, 7, 96, dtype)
+    r = activations(2, 7, 96, dtype, seed=3)
+    shift, scale = (torch.randn(2, 1, 96, generator=torch.Generator().manual_seed(4)) * 0.3).to(dtype).unbind(0)
+    shift, scale = shift[None], scale[None]
+    if case == "zero_row":  # the normalised row is 0, and with no shift so is the output row
+        x[1, 2] = 0
+        r[1, 2] = 0
+        shift = torch.zeros_like(shift)
+    elif case == "strided_residual":
+        r = activations(2, 7, 192, dtype, seed=3)[..., :96]
+    h, out, rows = lnm.residual_layer_norm_modulate(x, shift, scale, 1e-6, residual=r, fp8_rows=True)
+    ref_h = x + r
+    check(h, ref_h, dtype)
+    check(out, comfy_layer_norm_modulate(ref_h, shift, scale, 1e-6), dtype)
+    _fp8_rows_equal(rows, out)
+    if case == "zero_row":
+        assert rows[1][9].item() == pytest.approx(1e-12 / 448.0) and not rows[0][9].float().any()
+
+
+def test_residual_layer_norm_modulate_refuses_with_reason():
+    x = activations(1, 4, 64, torch.bfloat16)
+    s = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(lnm.LayerNormModulateInputError, match="residual"):
+        lnm.residual_layer_norm_modulate(x, s, s, 1e-6, residual=x[..., :32])
+    with pytest.raises(lnm.LayerNormModulateInputError, match="residual"):
+        lnm.residual_layer_norm_modulate(x, s, s, 1e-6, residual=x.half())
+
+
+def test_rows_ops_trace_with_fake_tensors_and_compile():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(2, 4, 64, dtype=torch.bfloat16))
+        s = mode.from_tensor(torch.zeros(1, 1, 64, dtype=torch.bfloat16))
+        outs = torch.ops.triton_accel.residual_layer_norm_modulate(x, x, s, s, 1e-6, True)
+        plain = torch.ops.triton_accel.residual_layer_norm_modulate(x, None, s, s, 1e-6, False)
+        grn_outs = torch.ops.triton_accel.gated_residual_norm(x, x, s, 1e-6, None, None, True, True)
+    assert [tuple(t.shape) for t in outs] == [(2, 4, 64), (2, 4, 64), (8, 64), (8,)]
+    assert outs[2].dtype == torch.float8_e4m3fn and outs[3].dtype == torch.float32 and len(plain) == 1
+    assert [t.dtype for t in grn_outs] == [torch.bfloat16, torch.bfloat16, torch.float8_e4m3fn, torch.float32]
+    x, r = activations(1, 5, 64, torch.float16), activations(1, 5, 64, torch.float16, seed=2)
+    e = (torch.randn(1, 6, 64) * 0.3).half().chunk(6, dim=1)
+
+    def block(x):
+        h, out, rows = lnm.residual_layer_norm_modulate(x, e[0], e[1], 1e-6, residual=r, fp8_rows=True)
+        return h, out, rows[0].view(torch.uint8), rows[1]
+
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    assert all(torch.equal(a, b) for a, b in zip(compiled(x), block(x)))

@@ -464,12 +464,9 @@ def test_direct_call_keys_are_the_checked_paths_keys(monkeypatch):
     assert lf.direct_call(x[:0], prepared.weight, prepared.scale, None, torch.bfloat16) is None
 
 
-def test_quantize_once_shares_one_quantisation_between_the_layers_that_read_x(monkeypatch):
-    """Inside quantize_once(x) (Wan's q, k and v in the fused block), DirectCalls on x quantise it
-    once and the GEMMs read the same e4m3 rows; per key and stream. Outside the block, or for
-    another tensor (even an equal one), every call quantises; nothing is kept after the block.
-    The launches are recorded on the CPU, not run (benchmarks/host_overhead.py checks DirectCall
-    outputs on the GPU). Under torch.inference_mode, as ComfyUI samples."""
+def _recorded_direct_launches(monkeypatch):
+    """linear_fp8 with direct launches recorded on the CPU instead of run: (module, [stream
+    handle the launches see, settable], [(plan, args)] launched)."""
     lf = importlib.import_module("triton_accel.kernels.linear_fp8")
     monkeypatch.setattr(lf.direct_launch, "usable", lambda t: True)
     monkeypatch.setattr(lf.direct_launch, "lookup", lambda key: key[0])
@@ -478,6 +475,16 @@ def test_quantize_once_shares_one_quantisation_between_the_layers_that_read_x(mo
     monkeypatch.setattr(lf.direct_launch, "current_stream", lambda index: stream[0])
     launched = []
     monkeypatch.setattr(lf.direct_launch, "launch", lambda plan, index, args: launched.append((plan, args)))
+    return lf, stream, launched
+
+
+def test_quantize_once_shares_one_quantisation_between_the_layers_that_read_x(monkeypatch):
+    """Inside quantize_once(x) (Wan's q, k and v in the fused block), DirectCalls on x quantise it
+    once and the GEMMs read the same e4m3 rows; per key and stream. Outside the block, or for
+    another tensor (even an equal one), every call quantises; nothing is kept after the block.
+    The launches are recorded on the CPU, not run (benchmarks/host_overhead.py checks DirectCall
+    outputs on the GPU). Under torch.inference_mode, as ComfyUI samples."""
+    lf, stream, launched = _recorded_direct_launches(monkeypatch)
     gen = torch.Generator().manual_seed(9)
     calls = []
     for n in (48, 48, 32):  # q, k, v of one width; another width reads the same activation too
@@ -517,6 +524,36 @@ def test_quantize_once_shares_one_quantisation_between_the_layers_that_read_x(mo
         assert lf._QUANTIZE_ONCE.get() is None
         calls[0](x, None)
         assert len(quantisations()) == 4
+
+
+def test_quantize_once_with_rows_made_elsewhere(monkeypatch):
+    """quantize_once(x, rows) (a fused norm kernel wrote x's e4m3 rows beside x): DirectCalls on x
+    read those rows, launch no quantisation and count as readers; on another stream than the
+    one the rows were written on, or with rows of another shape, they quantise as before."""
+    lf, stream, launched = _recorded_direct_launches(monkeypatch)
+    monkeypatch.setattr(lf, "_stream_of", lambda x: 7)  # the rows' stream (x is a CPU tensor here)
+    gen = torch.Generator().manual_seed(11)
+    prepared = kernels.prepare_weight(weights(48, 64, gen), "fp8_w8a8")
+    gemm_key = lf._gemm_key(torch.device("cpu"), 18, 48, 64, torch.bfloat16, False, 0, 0, None,
+                            lf.Fp8LinearWeight(prepared.weight, prepared.scale), 0, 64, 0, 0, torch.float32, None)
+    monkeypatch.setitem(lf._gemm_layouts, gemm_key, (False, None))
+    x = activations((2, 9), 64, torch.bfloat16, gen)
+    call = lf.direct_call(x, prepared.weight, prepared.scale, None, torch.bfloat16)
+    rows = (torch.zeros(18, 64, dtype=torch.float8_e4m3fn), torch.ones(18))
+    with torch.inference_mode():
+        with lf.quantize_once(x, rows) as scope:
+            call(x, None)
+            call(x, None)
+            assert [plan for plan, _ in launched] == ["fp8_gemm", "fp8_gemm"] and scope.used == 2
+            assert all(args[0] is rows[0] and args[4] is rows[1] for _, args in launched)  # x, its scales
+            stream[0] = 8
+            call(x, None)
+            assert [plan for plan, _ in launched][2:] == ["fp8_quant_rows", "fp8_gemm"] and scope.used == 2
+        launched.clear()
+        stream[0] = 7
+        with lf.quantize_once(x, (rows[0][:9], rows[1][:9])) as scope:
+            call(x, None)
+            assert [plan for plan, _ in launched] == ["fp8_quant_rows", "fp8_gemm"] and scope.used == 0
 
 
 # ---- activation_out: the activated columns also written, contiguous (Flux's single blocks) --

@@ -191,9 +191,9 @@ def test_gated_residual_and_norm3_fused_where_known(monkeypatch, norm3):
     LayerNorm over the channels (Wan's cross_attn_norm) or an Identity (without it); another
     norm runs as it is on the fused residual. The block's last residual is always ours."""
     calls = []
-    for name in ("gated_residual", "gated_residual_layer_norm"):
-        real = getattr(pfn, name)
-        monkeypatch.setattr(pfn, name, (lambda real, name: lambda *a, **k: calls.append(name) or real(*a, **k))(real, name))
+    for name in ("gated_residual", "gated_residual_layer_norm", "gated_residual_layer_norm_rows"):
+        real, label = getattr(pfn, name), name.removesuffix("_rows")  # with or without e4m3 rows
+        monkeypatch.setattr(pfn, name, (lambda real, label: lambda *a, **k: calls.append(label) or real(*a, **k))(real, label))
     torch.manual_seed(1)
     block = WanAttentionBlock()
     if norm3 == "layer_norm_plain":
@@ -215,29 +215,43 @@ def test_gated_residual_and_norm3_fused_where_known(monkeypatch, norm3):
     assert _norms()["served"] == 2 and _norms()["handed_back"] == 0, _norms()
 
 
-def test_q_k_v_share_one_quantisation_scope(monkeypatch):
-    """The fused block runs the self-attention's q, k and v Linears inside
-    linear_fp8.quantize_once(x) for their common input (our FP8 Linear then quantises it once),
-    and nothing else inside it."""
+def _recording_scopes(monkeypatch, used: int):
+    """pfn.quantize_once replaced by a recorder: [(x, rows)] per block entered, the modules
+    called inside one; `used` is what each block reports as GEMMs that read its rows."""
     import contextlib
 
     scopes, inside = [], []
 
     @contextlib.contextmanager
-    def recording(x):
-        scopes.append(x)
+    def recording(x, rows=None):
+        scopes.append((x, rows))
         inside.append(True)
         try:
-            yield
+            yield types.SimpleNamespace(used=used)
         finally:
             inside.pop()
 
     monkeypatch.setattr(pfn, "quantize_once", recording)
+    return scopes, inside
+
+
+def test_linears_after_the_norms_read_the_norm_kernels_fp8_rows(monkeypatch):
+    """The Linears that read a fused norm's output run inside linear_fp8.quantize_once(x, rows):
+    q, k and v (one activation, quantised once for the three), the cross-attention's q (norm3)
+    and the FFN's first Linear (norm2), each with the e4m3 rows the norm kernel wrote beside x,
+    bit for bit what the FP8 Linear's own quantisation makes of x. The self-attention's o runs
+    outside; the FFN's second Linear inside the FFN's block, on another tensor (it quantises its
+    own input)."""
+    from triton_accel.kernels import linear_fp8
+
+    scopes, inside = _recording_scopes(monkeypatch, used=1)
     patcher, blocks = _patched([WanAttentionBlock()])
-    attn = blocks[0].self_attn
+    block = blocks[0]
+    modules = {"q": block.self_attn.q, "k": block.self_attn.k, "v": block.self_attn.v, "o": block.self_attn.o,
+               "cross_q": block.cross_attn.q, "ffn0": block.ffn[0], "ffn2": block.ffn[2]}
     seen = {}
-    for name in ("q", "k", "v", "o"):
-        getattr(attn, name).register_forward_hook(
+    for name, module in modules.items():
+        module.register_forward_hook(
             (lambda name: lambda m, args, out: seen.setdefault(name, []).append((args[0], bool(inside))))(name))
     patch = patcher.object_patches["diffusion_model.blocks.0.forward"]
     call = block_call(1, 3)
@@ -245,12 +259,35 @@ def test_q_k_v_share_one_quantisation_scope(monkeypatch):
     seen.clear()
     scopes.clear()
     patch(**call)
-    assert len(scopes) == 1
-    for name in ("q", "k", "v"):
-        (x, scoped), = seen[name]
-        assert scoped and x is scopes[0], name
+    assert len(scopes) == 3
+    for (x, rows), names in zip(scopes, (("q", "k", "v"), ("cross_q",), ("ffn0",))):
+        for name in names:
+            (read, scoped), = seen[name]
+            assert scoped and read is x, name
+        q, scales = linear_fp8.quantize_activation(x.reshape(-1, C))
+        assert torch.equal(rows[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows[1], scales), names
     (_, scoped), = seen["o"]
     assert not scoped
+    (read, _), = seen["ffn2"]
+    assert read is not scopes[2][0]
+
+
+def test_rows_stop_where_no_gemm_reads_them(monkeypatch):
+    """A site whose rows no GEMM read (its Linear is not our FP8 one) stops getting them after
+    FP8_ROWS_MISSES calls: the norm kernels then write the 16-bit output only. q, k and v still
+    share one quantisation scope."""
+    scopes, _ = _recording_scopes(monkeypatch, used=0)
+    patcher, _ = _patched([WanAttentionBlock()])
+    patch = patcher.object_patches["diffusion_model.blocks.0.forward"]
+    call = block_call(1, 3)
+    for _ in range(pfn.FP8_ROWS_MISSES):
+        scopes.clear()
+        patch(**call)
+        assert len(scopes) == 3 and all(rows is not None for _, rows in scopes)
+    scopes.clear()
+    patch(**call)
+    assert len(scopes) == 1 and scopes[0][1] is None
+    assert patch.fp8_rows_misses == {site: pfn.FP8_ROWS_MISSES for site in ("qkv", "cross_q", "ffn")}
 
 
 def test_guard_sends_a_block_that_disagrees_back_for_good():
@@ -367,10 +404,11 @@ def test_multigpu_clone_gets_its_own_blocks():
     assert torch.equal(patch(**call), clone_blocks[1].forward(**call))
 
 
-@pytest.mark.parametrize("value, mode", [(None, "blocks"), ("1", "blocks"), ("on", "blocks"), ("all", "all"),
-                                         (" ALL ", "all"), ("off", "off"), ("0", "off"), ("", "off")])
+@pytest.mark.parametrize("value, mode", [(None, "all"), ("1", "blocks"), ("on", "blocks"), ("blocks", "blocks"),
+                                         ("all", "all"), (" ALL ", "all"), ("off", "off"), ("0", "off"), ("", "off")])
 def test_enabled_reads_the_setting(monkeypatch, value, mode):
-    """Wan blocks fused by default (measured faster); Flux's QKNorms only with "all"."""
+    """Wan blocks and Flux's QKNorms fused by default (both measured faster); "blocks" keeps
+    the QKNorms ComfyUI's."""
     if value is None:
         monkeypatch.delenv("TRITON_ACCEL_FUSED_NORMS", raising=False)
     else:

@@ -208,6 +208,12 @@ def main():
                 for fn, sig, constexprs, attrs, opts in module.compile_specs(dtype="bf16", **kwargs):
                     build(name, "fused_norms", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
                           (fn, sig, constexprs, attrs), opts, target)
+        # The norm kernels with the FP8 Linear's e4m3 rows (sm_89+, where that Linear runs).
+        if name in ("sm89", "sm90"):
+            for module, kwargs in ((kernel("layer_norm_modulate"), {"residual": True}), (kernel("gated_residual_norm"), {})):
+                for fn, sig, constexprs, attrs, opts in module.compile_specs(dtype="bf16", fp8_rows=True, **kwargs):
+                    build(name, "fused_norms_fp8_rows", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
+                          (fn, sig, constexprs, attrs), opts, target)
     print("RESULT " + json.dumps(report), flush=True)
 
 

@@ -111,6 +111,9 @@ def test_kernels_compile_where_the_registry_serves(matrix, minor, target):
     if target in ("sm89", "sm90"):
         assert {c["case"] for c in wanted if c["kernel"] == "fp8_full_quant"} == {
             "_fp8_stats_kernel", "_fp8_finalize_kernel", "_fp8_quant_kernel"}, cases
+    if target in ("sm89", "sm90"):
+        assert {c["case"] for c in wanted if c["kernel"] == "fused_norms_fp8_rows"} == {
+            "_layer_norm_modulate", "_gated_residual_norm"}, cases
     if target in ("sm86", "gfx1100"):  # child_compile.FUSED_NORM_TARGETS (that module reads argv at import)
         assert {c["case"] for c in wanted if c["kernel"] == "fused_norms"} == {
             "_rms_norm_rope", "_layer_norm_modulate", "_qk_rms_norm", "_gated_residual_norm"}, cases
