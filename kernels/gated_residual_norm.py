@@ -38,7 +38,8 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import direct_launch
-from .kernel_common import batch_vector, exact_bf16, layer_norm_inputs, next_pow2, row_kernel_refusal
+from .kernel_common import (batch_vector, exact_bf16, fp8_row_outputs, layer_norm_inputs, next_pow2,
+                            row_kernel_refusal, row_warps, rows_2d)
 
 if triton is not None:
     from .kernel_common import layer_norm_row, store_fp8_row, to_output_dtype
@@ -47,9 +48,6 @@ log = logging.getLogger("triton_accel.kernels.gated_residual_norm")  # not __nam
 
 OP_QUALNAME = "triton_accel::gated_residual_norm"
 MAX_CHANNELS = 16384
-# Warps per program by padded row width: 8 warps give a 8192-wide block 32 values a thread
-# (the LayerNorm + modulation kernel's choice, measured there at 2769 GB/s on an H100).
-GATED_RESIDUAL_NORM_WARPS = ((2048, 4), (8192, 8), (MAX_CHANNELS, 16))
 
 
 class GatedResidualInputError(ValueError):
@@ -89,18 +87,6 @@ if triton is not None:
                 store_fp8_row(Q + row * C, QS + row, n.to(tl.float32), offs, mask, EXACT_CAST)
 
 
-def _warps(block_c: int) -> int:
-    for width, warps in GATED_RESIDUAL_NORM_WARPS:
-        if block_c <= width:
-            return warps
-    return GATED_RESIDUAL_NORM_WARPS[-1][1]
-
-
-def _rows(t: torch.Tensor, channels: int) -> torch.Tensor:
-    t2d = t.reshape(-1, channels)
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
 def _check(x: torch.Tensor, y: torch.Tensor, weight, bias) -> tuple[int, int, int]:
     dims = layer_norm_inputs(x, weight, bias, GatedResidualInputError, MAX_CHANNELS)
     if y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
@@ -117,14 +103,13 @@ def _launch(x, y, gate, eps: float, weight, bias, norm: bool, fp8_rows: bool = F
     batch, tokens, channels = _check(x, y, weight, bias)
     fp8_rows = fp8_rows and norm
     gate2 = None if gate is None else batch_vector(gate, "gate", x, batch, channels, GatedResidualInputError)
-    x2d, y2d = _rows(x, channels), _rows(y, channels)
+    x2d, y2d = rows_2d(x, channels), rows_2d(y, channels)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if norm else None
     rows = x2d.shape[0]
     outs = [out] if normed is None else [out, normed]
     if fp8_rows:
-        outs += [torch.empty((rows, channels), dtype=torch.float8_e4m3fn, device=x.device),
-                 torch.empty((rows,), dtype=torch.float32, device=x.device)]
+        outs += fp8_row_outputs(rows, channels, x.device)
     if rows == 0:
         return outs
     block_c = next_pow2(channels, 1)
@@ -138,7 +123,7 @@ def _launch(x, y, gate, eps: float, weight, bias, norm: bool, fp8_rows: bool = F
                   FP8_ROWS=fp8_rows, EXACT_BF16=exact_bf16(x), EXACT_CAST=x.device.type == "cpu")
     # The plan check compares the norm where there is one (it depends on the residual too).
     direct_launch.jit_or_plan(_gated_residual_norm, (rows,), args, consts, 6 if norm else 5, "gated_residual_norm",
-                              num_warps=_warps(block_c))
+                              num_warps=row_warps(block_c))
     return outs
 
 
@@ -246,7 +231,7 @@ def compile_specs(dtype: str = "bf16", channels: int = 5120, norm: bool = True, 
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
              for n in ("X", "R", "G", "W", "B", "XO", "NO", "Q", "QS", "C", "stride_xm", "stride_rm", "stride_om",
                        "stride_gb")}
-    return [(_gated_residual_norm, sig, const, attrs, dict(num_warps=_warps(block_c), num_stages=1))]
+    return [(_gated_residual_norm, sig, const, attrs, dict(num_warps=row_warps(block_c), num_stages=1))]
 
 
 __all__ = ["gated_residual", "gated_residual_layer_norm", "gated_residual_layer_norm_rows", "gated_residual_norm_ref", "refusal",

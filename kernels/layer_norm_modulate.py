@@ -42,7 +42,8 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import direct_launch
-from .kernel_common import batch_vector, exact_bf16, layer_norm_inputs, next_pow2, row_kernel_refusal
+from .kernel_common import (batch_vector, exact_bf16, fp8_row_outputs, layer_norm_inputs, next_pow2,
+                            row_kernel_refusal, row_warps, rows_2d)
 
 if triton is not None:
     from .kernel_common import layer_norm_row, store_fp8_row, to_output_dtype
@@ -52,8 +53,6 @@ log = logging.getLogger("triton_accel.kernels.layer_norm_modulate")  # not __nam
 OP_QUALNAME = "triton_accel::layer_norm_modulate"
 ROWS_OP_QUALNAME = "triton_accel::residual_layer_norm_modulate"
 MAX_CHANNELS = 16384
-# Warps per program by padded row width: 8 warps give a 8192-wide block 32 values a thread.
-LAYER_NORM_MODULATE_WARPS = ((2048, 4), (8192, 8), (MAX_CHANNELS, 16))
 
 
 class LayerNormModulateInputError(ValueError):
@@ -96,13 +95,6 @@ if triton is not None:
             store_fp8_row(Q + row * C, QS + row, out.to(tl.float32), offs, mask, EXACT_CAST)
 
 
-def _warps(block_c: int) -> int:
-    for width, warps in LAYER_NORM_MODULATE_WARPS:
-        if block_c <= width:
-            return warps
-    return LAYER_NORM_MODULATE_WARPS[-1][1]
-
-
 def _check(x: torch.Tensor, weight, bias) -> tuple[int, int, int]:
     return layer_norm_inputs(x, weight, bias, LayerNormModulateInputError, MAX_CHANNELS)
 
@@ -121,16 +113,15 @@ def _launch(x, shift, scale, eps: float, weight, bias, residual=None, fp8_rows: 
     if shift2.shape != scale2.shape or shift2.stride() != scale2.stride():
         shift2, scale2 = (shift2.expand(max(shift2.shape[0], scale2.shape[0]), channels).contiguous(),
                           scale2.expand(max(shift2.shape[0], scale2.shape[0]), channels).contiguous())
-    x2d = _rows(x, channels)
-    r2d = x2d if residual is None else _rows(residual, channels)  # never read without HAS_RESIDUAL
+    x2d = rows_2d(x, channels)
+    r2d = x2d if residual is None else rows_2d(residual, channels)  # never read without HAS_RESIDUAL
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     outs = [out]
     if residual is not None:
         outs.insert(0, torch.empty(x.shape, dtype=x.dtype, device=x.device))
     rows = x2d.shape[0]
     if fp8_rows:
-        outs += [torch.empty((rows, channels), dtype=torch.float8_e4m3fn, device=x.device),
-                 torch.empty((rows,), dtype=torch.float32, device=x.device)]
+        outs += fp8_row_outputs(rows, channels, x.device)
     if rows == 0:
         return outs
     block_c = next_pow2(channels, 1)
@@ -143,13 +134,8 @@ def _launch(x, shift, scale, eps: float, weight, bias, residual=None, fp8_rows: 
     consts = dict(BLOCK_C=block_c, HAS_AFFINE=weight is not None, HAS_RESIDUAL=residual is not None,
                   FP8_ROWS=fp8_rows, EXACT_BF16=exact_bf16(x), EXACT_CAST=x.device.type == "cpu")
     direct_launch.jit_or_plan(_layer_norm_modulate, (rows,), args, consts, 7, "layer_norm_modulate",
-                              num_warps=_warps(block_c))
+                              num_warps=row_warps(block_c))
     return outs
-
-
-def _rows(t: torch.Tensor, channels: int) -> torch.Tensor:
-    t2d = t.reshape(-1, channels)
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
 
 
 refusal = row_kernel_refusal  # why a device cannot run the kernel (None: it can)
@@ -264,7 +250,7 @@ def compile_specs(dtype: str = "bf16", channels: int = 5120, affine: bool = Fals
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
              for n in ("X", "R", "SHIFT", "SCALE", "W", "B", "HO", "Y", "Q", "QS", "C", "stride_xm", "stride_rm",
                        "stride_ym", "stride_mb")}
-    return [(_layer_norm_modulate, sig, const, attrs, dict(num_warps=_warps(block_c), num_stages=1))]
+    return [(_layer_norm_modulate, sig, const, attrs, dict(num_warps=row_warps(block_c), num_stages=1))]
 
 
 __all__ = ["layer_norm_modulate", "residual_layer_norm_modulate", "layer_norm_modulate_ref", "refusal",
