@@ -27,10 +27,11 @@ with:
   <variant>+lean, <variant>+lean_rowsum  that variant with TRITON_ACCEL_GLUON_VARIANT set so
                while it runs (the Gluon attention kernels' compile-checked loop variants;
                docs/settings.md), e.g. ours-all+lean or ours-all+lean_rowsum+compile
-  <variant>+norms, <variant>+blocks, <variant>+nonorms  that variant with
-               TRITON_ACCEL_FUSED_NORMS=all (Wan blocks fused and Flux-layer QKNorms), =blocks
-               (Wan blocks only) or =off (none); none of them: the pack's default (all,
-               docs/settings.md), e.g. ours-all+nonorms for the step before the fusion
+  <variant>+norms, <variant>+qk, <variant>+blocks, <variant>+nonorms  that variant with
+               TRITON_ACCEL_FUSED_NORMS=all (Wan blocks, Flux-layer QKNorms and blocks), =qk
+               (Wan blocks and Flux-layer QKNorms: session 32's default), =blocks (Wan blocks
+               only) or =off (none); none of them: the pack's default (all, docs/settings.md),
+               e.g. ours-all+nonorms for the step before the fusion
   <variant>+compile  that variant with ComfyUI's TorchCompileModel (inductor) applied last, as
                a user's graph puts it after the patch nodes ("default+compile" is ComfyUI's
                own compiled model); the first call, which compiles, is left out of the timing
@@ -411,7 +412,7 @@ def fast_launch_state() -> dict:
 COMPILED_SUFFIX = "+compile"
 GLUON_VARIANT_SUFFIXES = ("lean", "classic", "lean_rowsum")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
 # +norms / +blocks / +nonorms: TRITON_ACCEL_FUSED_NORMS=all / blocks / off (unset otherwise: the pack's default)
-NORMS_SUFFIXES = {"norms": "all", "nonorms": "off", "blocks": "blocks"}
+NORMS_SUFFIXES = {"norms": "all", "nonorms": "off", "blocks": "blocks", "qk": "qk"}
 
 
 def dynamo_summary() -> dict:
@@ -519,13 +520,14 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
     norms = next((NORMS_SUFFIXES[p] for p in variant.split("+")[1:] if p in NORMS_SUFFIXES), None)
     with gluon_variant(gluon), fused_norms(norms):
         row = run_variant_uncompiled(name, base_name, base, x, t, context, kwargs, steps, device, ref,
-                                     dynamic_vram, compiled=compiled)
+                                     dynamic_vram, compiled=compiled, tag=variant)
     row["variant"] = variant
     return row
 
 
 def run_variant_uncompiled(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False,
-                           compiled=False):
+                           compiled=False, tag=None):
+    """`tag`: the variant with its suffixes, naming its profile files (the default: `variant`)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -577,10 +579,10 @@ def run_variant_uncompiled(name, variant, base, x, t, context, kwargs, steps, de
                                            warmup=COMPILE_WARMUP if compiled else 1)
             if os.environ.get("E2E_KPROFILE") and device.type == "cuda":
                 kernel_profile_step(step_fn(patcher, x, t, context, kwargs), Path(os.environ["E2E_KPROFILE"]),
-                                    f"{name}_{variant}{'_dynamic' if dynamic_vram else ''}")
+                                    f"{name}_{tag or variant}{'_dynamic' if dynamic_vram else ''}")
             if os.environ.get("E2E_CPROFILE"):
                 profile_step(step_fn(patcher, x, t, context, kwargs), device, Path(os.environ["E2E_CPROFILE"]),
-                             f"{name}_{variant}{'_dynamic' if dynamic_vram else ''}")
+                             f"{name}_{tag or variant}{'_dynamic' if dynamic_vram else ''}")
         # Everything on the GPU, the VBAR's resident weights included (aimdo allocates those
         # outside torch's allocator, so max_memory_allocated does not see them).
         free, total = torch.cuda.mem_get_info() if device.type == "cuda" else (0, 0)

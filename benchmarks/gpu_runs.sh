@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device calls of sessions 30-32 (benchmarks/RESULTS.md), one stage per call, each ≤ 600 s on an H100/H200:
+# Device calls of sessions 30-33 (benchmarks/RESULTS.md), one stage per call, each ≤ 600 s on an H100/H200:
 #   bash benchmarks/gpu_runs.sh norms       fused-norm kernels beside ComfyUI's ops; Wan e2e with and
 #                                           without fused norms and lean; Flux e2e with the QK norm
 #   bash benchmarks/gpu_runs.sh norms-abba  Flux ABBA with / without the QK norm, Wan again, lean loops
@@ -15,6 +15,18 @@
 #   bash benchmarks/gpu_runs.sh s32d        Flux default / ours-all with one cProfiled step each
 #   bash benchmarks/gpu_runs.sh s32e        the norm2 pass beside what it replaces; Wan ABBA; Flux ABBA
 #                                           with / without the QK norms (+blocks)
+#   bash benchmarks/gpu_runs.sh s33         DirectCall agreement + host µs; Flux ABBA with / without the
+#                                           fused Flux blocks (ours-all / ours-all+qk)
+#   bash benchmarks/gpu_runs.sh s33c        s33's Flux ABBA again (row-kernel launch memo), one cProfiled step each
+#   bash benchmarks/gpu_runs.sh s33d        one profiled Flux step with / without the fused Flux blocks; Wan
+#                                           default / ours-all; Flux default / ours-all / +qk / ours-all
+#   bash benchmarks/gpu_runs.sh s33e        after the DirectCall template fix: Wan default / ours-all; Flux ABBA
+#                                           with / without the fused Flux blocks, one cProfiled step each
+#   bash benchmarks/gpu_runs.sh s33f        session 33's final code: host µs per call; one profiled Flux step with /
+#                                           without the fused blocks; Flux ABBA; Wan default / ours-all
+#   bash benchmarks/gpu_runs.sh s33g        Flux: three ours-all processes interleaved with two +qk, default at both ends
+#   bash benchmarks/gpu_runs.sh s33b        Wan default / ours-all; one profiled Flux step with / without
+#                                           the fused Flux blocks
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -81,5 +93,43 @@ s32e)
     e2e e2e_wan32e 260 --models wan --variants default ours-all ours-all default --steps 3
     e2e e2e_flux32e 240 --models flux --variants default ours-all ours-all+blocks ours-all+blocks ours-all default \
         --steps 5 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d or s32e"; exit 2 ;;
+s33)
+    timeout 100 python3 benchmarks/host_overhead.py --calls 200 --rounds 3 --profile 200 --out $R > $R/host.txt 2>&1
+    grep -i "bit_equal\|us\b\|per call" $R/host.txt | head -30
+    e2e e2e_flux33 330 --models flux --variants default ours-all ours-all+qk ours-all+qk ours-all default --steps 5 ;;
+s33b)
+    export E2E_KPROFILE=/tmp/kprof; mkdir -p /tmp/kprof
+    e2e e2e_wan33 200 --models wan --variants default ours-all --steps 3
+    e2e e2e_flux33b 200 --models flux --variants ours-all ours-all+qk --steps 3
+    tar czf $R/kprof.tgz -C /tmp kprof; grep -h "device total\|timeline" /tmp/kprof/*.txt ;;
+s33d)
+    export E2E_KPROFILE=/tmp/kprof; mkdir -p /tmp/kprof
+    e2e e2e_flux33d 150 --models flux --variants ours-all+qk ours-all --steps 3
+    E2E_KPROFILE= e2e e2e_wan33d 190 --models wan --variants default ours-all --steps 3
+    tar czf $R/kprof.tgz -C /tmp kprof; grep -h "device total\|timeline" /tmp/kprof/*.txt
+    E2E_KPROFILE= e2e e2e_flux33d2 180 --models flux --variants default ours-all ours-all+qk ours-all --steps 4 ;;
+s33e)
+    mkdir -p /tmp/cprof
+    e2e e2e_wan33e 200 --models wan --variants default ours-all --steps 3
+    E2E_CPROFILE=/tmp/cprof e2e e2e_flux33e 330 --models flux --variants default ours-all ours-all+qk ours-all+qk \
+        ours-all default --steps 5
+    tar czf $R/cprof.tgz -C /tmp cprof; head -1 /tmp/cprof/*.txt ;;
+s33f)
+    timeout 80 python3 benchmarks/host_overhead.py --calls 200 --rounds 3 --profile 0 --out $R > $R/host.txt 2>&1
+    grep -A14 "host time per call" $R/host.txt; grep -c "'ok': True" $R/host.txt
+    export E2E_KPROFILE=/tmp/kprof; mkdir -p /tmp/kprof
+    e2e e2e_flux33f 120 --models flux --variants ours-all+qk ours-all --steps 3
+    tar czf $R/kprof.tgz -C /tmp kprof; grep -h "device total\|timeline" /tmp/kprof/*.txt
+    export E2E_KPROFILE=
+    e2e e2e_flux33f2 280 --models flux --variants default ours-all ours-all+qk ours-all+qk ours-all default --steps 5
+    e2e e2e_wan33f 170 --models wan --variants default ours-all --steps 3 ;;
+s33g)
+    e2e e2e_flux33g 330 --models flux --variants default ours-all ours-all+qk ours-all ours-all+qk ours-all default \
+        --steps 5 ;;
+s33c)
+    mkdir -p /tmp/cprof
+    E2E_CPROFILE=/tmp/cprof e2e e2e_flux33c 330 --models flux --variants default ours-all ours-all+qk ours-all+qk \
+        ours-all default --steps 5
+    tar czf $R/cprof.tgz -C /tmp cprof; head -3 /tmp/cprof/*.txt ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33b-s33g"; exit 2 ;;
 esac

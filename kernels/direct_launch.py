@@ -129,17 +129,18 @@ def signature_key(name: str, args: tuple) -> tuple:
                     else a if isinstance(a, int) else float for a in args])
 
 
-def jit_or_plan(kernel, grid: tuple, args: tuple, consts: dict, out_index: int, name: str, **options) -> None:
+def jit_or_plan(kernel, grid: tuple, args: tuple, consts: dict, out_index: int, name: str, **options) -> Plan | None:
     """kernel[grid](*args, **consts, **options) through Triton's JIT launch, or, from the
     third call of one signature on (the second verifies it), the compiled kernel launched
     directly. The signature is the grid, the constexpr values, the options and
     signature_key(args): a grid or constexpr the caller derives from something outside the
     args (a batch size, whether a pointer is a placeholder) still gets its own plan.
-    `consts` must name every constexpr of the kernel."""
+    `consts` must name every constexpr of the kernel. Returns the signature's verified plan,
+    or None while it has none (see SiteMemo)."""
     out = args[out_index]
     if not usable(out):
         kernel[grid](*args, **consts, **options)
-        return
+        return None
     order = _orders.get(kernel)
     if order is None:
         order = _orders[kernel] = constexpr_order(kernel)
@@ -148,8 +149,35 @@ def jit_or_plan(kernel, grid: tuple, args: tuple, consts: dict, out_index: int, 
     plan = lookup(key)
     if plan is not None:
         launch(plan, out.device.index, args)
-        return
+        return plan
     record(key, kernel[grid](*args, **consts, **options), grid, values, args, out_index=out_index)
+    return lookup(key)
+
+
+class SiteMemo:
+    """What a launcher worked out for one call signature (its verified plan and the layout its
+    checks derived), by a fingerprint the launcher reads cheaply off its inputs (dtypes, shapes,
+    strides, 16-byte alignments, flags): a repeated call skips its checks, signature_key and
+    the JIT binding, about two thirds of a row kernel's ~60 us of host time, which the
+    host-bound Flux step pays ~190 times. Only layouts the checks took as they are (no copy)
+    belong here, so the fingerprint's tensors are the kernel's. Emptied with the plans."""
+
+    LIMIT = 256  # fingerprints kept per launcher; a new one past that starts over
+
+    def __init__(self, name: str):
+        self.entries: dict = {}
+        cache_registry.register(f"kernels.direct_launch.memo.{name}", self.entries.clear)
+
+    def get(self, fingerprint, t: torch.Tensor):
+        """The remembered (plan, layout...) for this fingerprint, where direct launches may run
+        on t's device now; else None."""
+        hit = self.entries.get(fingerprint)
+        return hit if hit is not None and ENABLED and not torch.cuda.is_current_stream_capturing() else None
+
+    def put(self, fingerprint, entry: tuple) -> None:
+        if len(self.entries) >= self.LIMIT:
+            self.entries.clear()
+        self.entries[fingerprint] = entry
 
 
 def verified_count() -> int:

@@ -229,6 +229,22 @@ if triton is not None:
 
 
     @triton.jit
+    def round_unfused(y, DTYPE: tl.constexpr):
+        # y rounded to DTYPE's precision, kept in fp32, for a product ComfyUI stores as a
+        # tensor before adding it (Flux's `x += y * gate`: two roundings). A plain
+        # y.to(DTYPE).to(fp32) before the add is folded by the compiler into one bf16/fp16 FMA
+        # (fma.rn.bf16x2, one rounding); rounding on the bits first (to nearest even, finite
+        # values) leaves it no multiply to contract. The cast after is exact for bf16 and
+        # fp16's normal range, and rounds fp16's subnormals and overflow as a cast does.
+        if DTYPE == tl.bfloat16:
+            bits = y.to(tl.uint32, bitcast=True)
+            y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        elif DTYPE == tl.float16:
+            bits = y.to(tl.uint32, bitcast=True)
+            y = ((bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return y.to(DTYPE).to(tl.float32)
+
+    @triton.jit
     def to_e4m3(y, EXACT_CAST: tl.constexpr):
         # y is already within +-448. The Triton interpreter's fp32 -> e4m3 conversion drops the
         # carry when rounding crosses a power of two (31.7 becomes 16) and flushes subnormals:

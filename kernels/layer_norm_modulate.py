@@ -46,7 +46,7 @@ from .kernel_common import (batch_vector, exact_bf16, fp8_row_outputs, layer_nor
                             row_kernel_refusal, row_warps, rows_2d)
 
 if triton is not None:
-    from .kernel_common import layer_norm_row, store_fp8_row, to_output_dtype
+    from .kernel_common import layer_norm_row, round_unfused, store_fp8_row, to_output_dtype
 
 log = logging.getLogger("triton_accel.kernels.layer_norm_modulate")  # not __name__: the clone's folder name
 
@@ -66,20 +66,25 @@ class LayerNormModulateInputError(ValueError):
 if triton is not None:
 
     @triton.jit
-    def _layer_norm_modulate(X, R, SHIFT, SCALE, W, B, HO, Y, Q, QS, L, C, stride_xm, stride_rm, stride_ym,
-                             stride_mb, eps, BLOCK_C: tl.constexpr, HAS_AFFINE: tl.constexpr,
+    def _layer_norm_modulate(X, R, G, SHIFT, SCALE, W, B, HO, Y, Q, QS, L, C, stride_xm, stride_rm, stride_ym,
+                             stride_mb, stride_gb, eps, BLOCK_C: tl.constexpr, HAS_AFFINE: tl.constexpr,
                              HAS_RESIDUAL: tl.constexpr, FP8_ROWS: tl.constexpr, EXACT_BF16: tl.constexpr,
-                             EXACT_CAST: tl.constexpr):
+                             EXACT_CAST: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         batch = row // L
         offs = tl.arange(0, BLOCK_C)
         mask = offs < C
         x = tl.load(X + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            # x + r is the residual stream, in x's dtype (ComfyUI's `x = x + ...`): the norm
-            # reads it rounded.
-            h = to_output_dtype(x + tl.load(R + row * stride_rm + offs, mask=mask, other=0.0).to(tl.float32),
-                                HO.dtype.element_ty, EXACT_BF16)
+            # x + r (* gate) is the residual stream, in x's dtype (ComfyUI's `x = x + ...`): the
+            # norm reads it rounded.
+            r = tl.load(R + row * stride_rm + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_GATE:
+                r = r * tl.load(G + batch * stride_gb + offs, mask=mask, other=0.0).to(tl.float32)
+                if ROUND_PRODUCT:
+                    # Flux's `x += y * gate`: the product is a tensor of x's dtype before the add.
+                    r = round_unfused(r, HO.dtype.element_ty)
+            h = to_output_dtype(x + r, HO.dtype.element_ty, EXACT_BF16)
             tl.store(HO + row * stride_ym + offs, h, mask=mask)
             x = h.to(tl.float32)
         y = layer_norm_row(x, mask, C, eps, W, B, offs, HAS_AFFINE)
@@ -99,15 +104,38 @@ def _check(x: torch.Tensor, weight, bias) -> tuple[int, int, int]:
     return layer_norm_inputs(x, weight, bias, LayerNormModulateInputError, MAX_CHANNELS)
 
 
-def _launch(x, shift, scale, eps: float, weight, bias, residual=None, fp8_rows: bool = False) -> list[torch.Tensor]:
-    """[x + residual where given, the modulated norm, then its e4m3 rows and their scales
-    where fp8_rows]."""
+_memo = direct_launch.SiteMemo("layer_norm_modulate")
+
+
+def _fingerprint(x, shift, scale, residual, gate, fp8_rows: bool, round_product: bool) -> tuple:
+    """Everything _launch's checks and the JIT's specialisation read off a call without an affine
+    weight (direct_launch.SiteMemo)."""
+    return (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() % 16, shift.dtype, shift.shape, shift.stride(),
+            shift.data_ptr() % 16, scale.dtype, scale.shape, scale.stride(), scale.data_ptr() % 16,
+            None if residual is None else (residual.dtype, residual.shape, residual.stride(), residual.data_ptr() % 16),
+            None if gate is None else (gate.dtype, gate.shape, gate.stride(), gate.data_ptr() % 16),
+            fp8_rows, round_product)
+
+
+def _launch(x, shift, scale, eps: float, weight, bias, residual=None, fp8_rows: bool = False, gate=None,
+            round_product: bool = False) -> list[torch.Tensor]:
+    """[x + residual (* gate) where given, the modulated norm, then its e4m3 rows and their
+    scales where fp8_rows]."""
+    fingerprint = None
+    if weight is None and x.is_cuda:
+        fingerprint = _fingerprint(x, shift, scale, residual, gate, fp8_rows, round_product)
+        hit = _memo.get(fingerprint, x)
+        if hit is not None:
+            return _launch_remembered(hit, x, shift, scale, eps, residual, fp8_rows, gate)
     batch, tokens, channels = _check(x, weight, bias)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.device != x.device or residual.stride(-1) != 1):
         raise LayerNormModulateInputError(
             f"residual ({tuple(residual.shape)}, {residual.dtype}) must match x ({tuple(x.shape)}, {x.dtype}) "
             "with a contiguous last dim")
+    if gate is not None and residual is None:
+        raise LayerNormModulateInputError("a gate needs a residual")
+    gate2 = None if gate is None else batch_vector(gate, "gate", x, batch, channels, LayerNormModulateInputError)
     shift2 = batch_vector(shift, "shift", x, batch, channels, LayerNormModulateInputError)
     scale2 = batch_vector(scale, "scale", x, batch, channels, LayerNormModulateInputError)
     if shift2.shape != scale2.shape or shift2.stride() != scale2.stride():
@@ -126,15 +154,42 @@ def _launch(x, shift, scale, eps: float, weight, bias, residual=None, fp8_rows: 
         return outs
     block_c = next_pow2(channels, 1)
     stride_mb = shift2.stride(0) if shift2.shape[0] > 1 else 0
+    stride_gb = gate2.stride(0) if gate2 is not None and gate2.shape[0] > 1 else 0
     w, b = (weight, bias) if weight is not None else (x2d, x2d)  # never read without HAS_AFFINE
     out2d = out.view(-1, channels)
     q, qs = (outs[-2], outs[-1]) if fp8_rows else (out2d, out2d)  # never written without FP8_ROWS
-    args = (x2d, r2d, shift2, scale2, w, b, outs[0].view(-1, channels), out2d, q, qs, tokens, channels,
-            x2d.stride(0), r2d.stride(0), channels, stride_mb, float(eps))
+    args = (x2d, r2d, shift2 if gate2 is None else gate2, shift2, scale2, w, b, outs[0].view(-1, channels), out2d,
+            q, qs, tokens, channels, x2d.stride(0), r2d.stride(0), channels, stride_mb, stride_gb, float(eps))
     consts = dict(BLOCK_C=block_c, HAS_AFFINE=weight is not None, HAS_RESIDUAL=residual is not None,
-                  FP8_ROWS=fp8_rows, EXACT_BF16=exact_bf16(x), EXACT_CAST=x.device.type == "cpu")
-    direct_launch.jit_or_plan(_layer_norm_modulate, (rows,), args, consts, 7, "layer_norm_modulate",
-                              num_warps=row_warps(block_c))
+                  FP8_ROWS=fp8_rows, EXACT_BF16=exact_bf16(x), EXACT_CAST=x.device.type == "cpu",
+                  HAS_GATE=gate2 is not None, ROUND_PRODUCT=round_product and gate2 is not None)
+    plan = direct_launch.jit_or_plan(_layer_norm_modulate, (rows,), args, consts, 8, "layer_norm_modulate",
+                                     num_warps=row_warps(block_c))
+    if plan is not None and fingerprint is not None and all(
+            a.data_ptr() == b.data_ptr() for a, b in ((x2d, x), (r2d, x if residual is None else residual),
+                                                      (shift2, shift), (scale2, scale),
+                                                      (shift2 if gate2 is None else gate2,
+                                                       shift if gate is None else gate))):
+        _memo.put(fingerprint, (plan, x.device.index, tokens, channels, rows, x2d.stride(0), r2d.stride(0), stride_mb,
+                                stride_gb))
+    return outs
+
+
+def _launch_remembered(hit: tuple, x, shift, scale, eps: float, residual, fp8_rows: bool, gate) -> list[torch.Tensor]:
+    """_launch for a fingerprint it served before: the same arguments, read off the remembered
+    layout (x, the residual, shift, scale and gate are the tensors the kernel read then; the
+    kernel takes any tensor by its data pointer)."""
+    plan, index, tokens, channels, rows, stride_xm, stride_rm, stride_mb, stride_gb = hit
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    outs = [out]
+    if residual is not None:
+        outs.insert(0, torch.empty(x.shape, dtype=x.dtype, device=x.device))
+    if fp8_rows:
+        outs += fp8_row_outputs(rows, channels, x.device)
+    q, qs = (outs[-2], outs[-1]) if fp8_rows else (out, out)
+    direct_launch.launch(plan, index, (x, x if residual is None else residual, shift if gate is None else gate, shift,
+                                       scale, x, x, outs[0], out, q, qs, tokens, channels, stride_xm, stride_rm,
+                                       channels, stride_mb, stride_gb, float(eps)))
     return outs
 
 
@@ -168,11 +223,13 @@ def _register_op() -> None:
 
     @torch.library.custom_op(ROWS_OP_QUALNAME, mutates_args=())
     def residual_layer_norm_modulate_op(x: torch.Tensor, residual: Optional[torch.Tensor], shift: torch.Tensor,
-                                        scale: torch.Tensor, eps: float, fp8_rows: bool) -> list[torch.Tensor]:
-        return _launch(x, shift, scale, eps, None, None, residual, fp8_rows)
+                                        scale: torch.Tensor, eps: float, fp8_rows: bool,
+                                        gate: Optional[torch.Tensor] = None,
+                                        round_product: bool = False) -> list[torch.Tensor]:
+        return _launch(x, shift, scale, eps, None, None, residual, fp8_rows, gate, round_product)
 
     @residual_layer_norm_modulate_op.register_fake
-    def _(x, residual, shift, scale, eps, fp8_rows):
+    def _(x, residual, shift, scale, eps, fp8_rows, gate=None, round_product=False):
         outs = [x.new_empty(x.shape) for _ in range(1 if residual is None else 2)]
         if fp8_rows:
             rows = x.numel() // x.shape[-1]
@@ -214,42 +271,48 @@ def _traced(x, shift, scale, weight, bias) -> bool:
 
 
 def residual_layer_norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
-                                 residual: torch.Tensor | None = None, fp8_rows: bool = False):
+                                 residual: torch.Tensor | None = None, fp8_rows: bool = False,
+                                 gate: torch.Tensor | None = None, round_product: bool = False):
     """(h, shift + layer_norm(h) * (1 + scale), rows) in one pass, h = x + residual in x's
-    dtype (x itself, returned as it is, without a residual). rows: None, or with fp8_rows the
+    dtype (x itself, returned as it is, without a residual), or h = x + residual * gate with a
+    gate (one vector per batch element, like shift), the product rounded to x's dtype first
+    with round_product (Flux's `x += y * gate`, gated_residual_norm.py). rows: None, or with fp8_rows the
     modulated norm as the FP8 Linear's e4m3 activation rows, (e4m3 [M, C], fp32 scales [M]),
     bit for bit what linear_fp8.quantize_activation makes of it, for linear_fp8.quantize_once:
     the Linear that reads the norm then skips its own pass over it. No affine norm (Wan's
     norm2, Flux's). Raises LayerNormModulateInputError for a call it cannot serve."""
     if _traced(x, shift, scale, None, None):
-        outs = torch.ops.triton_accel.residual_layer_norm_modulate(x, residual, shift, scale, float(eps), fp8_rows)
+        if gate is not None:
+            batch_vector(gate, "gate", x, *_check(x, None, None)[::2], LayerNormModulateInputError)
+        outs = torch.ops.triton_accel.residual_layer_norm_modulate(x, residual, shift, scale, float(eps), fp8_rows,
+                                                                   gate, round_product)
     else:
-        outs = _launch(x, shift, scale, eps, None, None, residual, fp8_rows)
+        outs = _launch(x, shift, scale, eps, None, None, residual, fp8_rows, gate, round_product)
     first = 0 if residual is None else 1  # no list.pop: torch.compile traces this
     h = x if residual is None else outs[0]
     return h, outs[first], ((outs[first + 1], outs[first + 2]) if fp8_rows else None)
 
 
 def compile_specs(dtype: str = "bf16", channels: int = 5120, affine: bool = False, residual: bool = False,
-                  fp8_rows: bool = False):
+                  fp8_rows: bool = False, gate: bool = False, round_product: bool = False):
     """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...)): a
     launch on a contiguous [M, channels] activation (with a residual input, e4m3 rows out)."""
     # Without rows the launcher passes the output as a placeholder for Q and QS (never written):
     # an fp8 pointer type would not compile below sm_89.
     rows = fp8_rows
     q_type, qs_type = ("*fp8e4nv", "*fp32") if rows else (f"*{dtype}", f"*{dtype}")
-    sig = {"X": f"*{dtype}", "R": f"*{dtype}", "SHIFT": f"*{dtype}", "SCALE": f"*{dtype}", "W": f"*{dtype}",
+    sig = {"X": f"*{dtype}", "R": f"*{dtype}", "G": f"*{dtype}", "SHIFT": f"*{dtype}", "SCALE": f"*{dtype}", "W": f"*{dtype}",
            "B": f"*{dtype}", "HO": f"*{dtype}", "Y": f"*{dtype}", "Q": q_type, "QS": qs_type, "L": "i32",
-           "C": "i32", "stride_xm": "i32", "stride_rm": "i32", "stride_ym": "i32", "stride_mb": "i32", "eps": "fp32",
+           "C": "i32", "stride_xm": "i32", "stride_rm": "i32", "stride_ym": "i32", "stride_mb": "i32", "stride_gb": "i32", "eps": "fp32",
            "BLOCK_C": "constexpr", "HAS_AFFINE": "constexpr", "HAS_RESIDUAL": "constexpr", "FP8_ROWS": "constexpr",
-           "EXACT_BF16": "constexpr", "EXACT_CAST": "constexpr"}
+           "EXACT_BF16": "constexpr", "EXACT_CAST": "constexpr", "HAS_GATE": "constexpr", "ROUND_PRODUCT": "constexpr"}
     block_c = next_pow2(channels, 1)
     const = dict(BLOCK_C=block_c, HAS_AFFINE=affine, HAS_RESIDUAL=residual, FP8_ROWS=rows, EXACT_BF16=False,
-                 EXACT_CAST=False)
+                 EXACT_CAST=False, HAS_GATE=residual and gate, ROUND_PRODUCT=residual and gate and round_product)
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
-             for n in ("X", "R", "SHIFT", "SCALE", "W", "B", "HO", "Y", "Q", "QS", "C", "stride_xm", "stride_rm",
-                       "stride_ym", "stride_mb")}
+             for n in ("X", "R", "G", "SHIFT", "SCALE", "W", "B", "HO", "Y", "Q", "QS", "C", "stride_xm", "stride_rm",
+                       "stride_ym", "stride_mb", "stride_gb")}
     return [(_layer_norm_modulate, sig, const, attrs, dict(num_warps=row_warps(block_c), num_stages=1))]
 
 

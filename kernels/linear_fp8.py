@@ -552,13 +552,20 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
 
 
 def _gemm_args(tma: bool, x_fp8, x_scale, w: Fp8LinearWeight, bias_arg, out, blocks, act_from: int,
-               w_desc=None, act_out=None) -> tuple:
+               w_desc=None, act_out=None, templates=None) -> tuple:
     """The GEMM kernels' runtime arguments (constexprs excluded), in signature order. `w_desc`:
     the weight's TMA descriptor when the caller keeps one (it only changes with the weight).
-    Without `act_out` the output stands in for it (SPLIT_ACT off: never written)."""
+    Without `act_out` the output stands in for it (SPLIT_ACT off: never written). `templates`:
+    the (x, output, activated copy) descriptors of an earlier call of this signature, rebased
+    onto this call's tensors (_rebased) instead of built."""
     m, k = x_fp8.shape
     n = out.shape[1]
     if tma:
+        if templates is not None:
+            c_desc = _rebased(templates[1], out)
+            return (_rebased(templates[0], x_fp8), w_desc, c_desc,
+                    c_desc if act_out is None else _rebased(templates[2], act_out), x_scale, w.scale, bias_arg, m, n,
+                    k, act_from)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         bm, bn, bk, bn_out = blocks
@@ -572,6 +579,17 @@ def _gemm_args(tma: bool, x_fp8, x_scale, w: Fp8LinearWeight, bias_arg, out, blo
     s = out if act_out is None else act_out
     return (x_fp8, w.weight, out, s, x_scale, w.scale, bias_arg, m, n, k, x_fp8.stride(0), w.weight.stride(0),
             out.stride(0), s.stride(0), act_from)
+
+
+def _rebased(template, base: torch.Tensor):
+    """A copy of the TensorDescriptor `template` over `base`, a tensor of the template's dtype,
+    shape and strides from the caching allocator (16-byte aligned, as the template's base was):
+    the constructor's checks, which the template passed, cost ~4 us a descriptor, three a GEMM
+    call on the host-bound Flux step. Whatever fields this Triton's descriptor has are copied."""
+    desc = object.__new__(type(template))
+    desc.__dict__.update(template.__dict__)
+    desc.base = base
+    return desc
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8LinearWeight, bias: torch.Tensor | None = None,
@@ -632,7 +650,7 @@ class DirectCall:
     JIT launch verifies it on the second call) or direct launches are off."""
 
     __slots__ = ("quant_key", "gemm_key", "tma", "blocks", "w", "m", "n", "k", "out_dtype", "act_from",
-                 "device", "device_index", "bias_align", "act_out_align", "w_desc")
+                 "device", "device_index", "bias_align", "act_out_align", "w_desc", "templates")
 
     def __init__(self, quant_key, gemm_key, tma, blocks, w: Fp8LinearWeight, m, n, k, out_dtype, act_from,
                  device, bias_align, act_out_align=None):
@@ -641,6 +659,7 @@ class DirectCall:
         self.device, self.device_index, self.bias_align = device, device.index or 0, bias_align
         self.act_out_align = act_out_align  # None: calls without the activated copy
         self.w_desc = None
+        self.templates = None  # the first call's (x, output, activated copy) descriptors, where tma, no bases
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -657,9 +676,14 @@ class DirectCall:
         m, n, device = self.m, self.n, self.device
         y, s = self._quantized(x, quant)
         out = torch.empty((m, n), dtype=self.out_dtype, device=device)
-        direct_launch.launch(gemm, self.device_index, _gemm_args(
-            self.tma, y, s, self.w, s if bias is None else bias, out, self.blocks, self.act_from, self.w_desc,
-            None if act_out is None else act_out.view(m, n - self.act_from)))
+        args = _gemm_args(self.tma, y, s, self.w, s if bias is None else bias, out, self.blocks, self.act_from,
+                          self.w_desc, None if act_out is None else act_out.view(m, n - self.act_from),
+                          self.templates)
+        if self.tma and self.templates is None:
+            # Without their bases: a template holding this call's output and e4m3 input would
+            # keep them alive as long as the DirectCall (gigabytes over a model's layers).
+            self.templates = (_rebased(args[0], None), _rebased(args[2], None), _rebased(args[3], None))
+        direct_launch.launch(gemm, self.device_index, args)
         return out
 
     def _quantized(self, x: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:

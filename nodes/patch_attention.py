@@ -304,6 +304,13 @@ class AttentionOverride:
                 out = runner(known)()
                 call_stats.record("triton", path=known, model=self.label)
                 return out
+            known = _speed().known(key)
+            if known == ORIGINAL:
+                # What choose() answers from its cache, without building the candidates first:
+                # Flux's auto keeps ComfyUI's attention for all 57 calls of a step, on a
+                # host-bound step.
+                return self._original(func, args, kwargs, AUTO_KEPT_ORIGINAL)
+
             def original():
                 return (self.previous(func, *args, **kwargs) if self.previous is not None
                         else func(*args, **kwargs))

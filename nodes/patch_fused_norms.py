@@ -29,6 +29,21 @@ activation quantisation from 50.4 to 30.6 ms a step and the residual add's 13.1 
 Flux's QKNorms are fused too (10-11 ms less GPU time a Flux 1024² step, session 32);
 TRITON_ACCEL_FUSED_NORMS=blocks keeps them ComfyUI's (docs/settings.md).
 
+Flux's DoubleStreamBlock / SingleStreamBlock (comfy/ldm/flux/layers.py: Flux, HunyuanVideo),
+with TRITON_ACCEL_FUSED_NORMS=all (the default; =qk keeps them ComfyUI's), per stream:
+- norm1(x) then apply_mod's addcmul(shift, ., 1 + scale): one layer_norm_modulate pass, with
+  the e4m3 rows of the qkv Linear (linear1 in the single block);
+- `x += proj(attn) * gate1`, then norm2 and its modulation: one residual_layer_norm_modulate
+  pass with a gate, the product rounded before the add as ComfyUI's two ops round it, with the
+  rows of the MLP's first Linear;
+- `x += mlp(.) * gate2` (the single block's `x += linear2(.) * gate`): one gated_residual pass.
+The blocks return new tensors where ComfyUI's add into their inputs (their callers use the
+returned ones); the checked first call runs ours before ComfyUI's forward for that reason. No
+rows for a stream the Linear hands back for its token count (the 512-token text stream).
+Measured on an H100 (session 33): 96.8 ms of kernels a Flux step against 104.5, 456 fewer
+launches. Refused per call (ComfyUI's forward): per-token modulation (modulation_dims), attn1
+patches, flipped_img_txt blocks.
+
 How, and why this way:
 - Each block's `forward` becomes an object patch on the patched clone (as the Linear patch
   does for each Linear), installed when ComfyUI loads that clone and removed when it unloads
@@ -66,13 +81,14 @@ from ..kernels.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
 from ..kernels.norm_rope import refusal as norm_rope_refusal
 from ..kernels.qk_norm import QKNormInputError, qk_rms_norm
 from . import call_stats
-from .patch_linear import guard_failure, module_attr
+from .patch_linear import LinearLayer, guard_failure, module_attr
 
 log = logging.getLogger("triton_accel.nodes.patch_fused_norms")  # not __name__: the clone's folder name
 
 KIND = "norms"
 PATH = "fused_norms"
 PATH_QK = "fused_qk_norm"
+PATH_FLUX = "fused_flux_block"
 FLUX_MODULE = "comfy.ldm.flux.layers"
 CALLBACK_KEY = "triton_accel_fused_norms"
 # The fused passes reproduce ComfyUI's roundings; what is left is the order of fp32 sums and
@@ -136,8 +152,10 @@ class _GuardedPatch:
         call_stats.record(call_stats.OUTCOME_HANDED_BACK, reason, kind=KIND, model=self.label)
         return self.previous(*args, **kwargs)
 
-    def _serve(self, args, kwargs, device: str, fused, compare):
-        """fused(): our output; compare(ours, reference): why they disagree, or None."""
+    def _serve(self, args, kwargs, device: str, fused, compare, ours_first: bool = False):
+        """fused(): our output; compare(ours, reference): why they disagree, or None. ours_first:
+        on the checked call ours runs before the original forward, which writes into its inputs
+        (Flux's blocks: `x += ...`)."""
         if device in self.fallbacks:
             return self._original(args, kwargs, REASON_FALLBACK)
         if device in self.guarded:
@@ -147,9 +165,18 @@ class _GuardedPatch:
                 return self._original(args, kwargs, e.reason)
             call_stats.record(call_stats.OUTCOME_SERVED, path=self.PATH, kind=KIND, model=self.label)
             return out
+        ours = failure = None
+        if ours_first:
+            try:
+                ours = fused()
+            except INPUT_ERRORS as e:  # this call only: the next one is guarded again
+                return self._original(args, kwargs, e.reason)
+            except Exception as e:  # a kernel that fails here fails for good on this device
+                failure = f"kernel error: {type(e).__name__}: {e}"
         reference = self.previous(*args, **kwargs)
         try:
-            failure = compare(fused(), reference)
+            if failure is None:
+                failure = compare(ours if ours_first else fused(), reference)
         except INPUT_ERRORS as e:  # this call only: the next one is guarded again
             call_stats.record(call_stats.OUTCOME_HANDED_BACK, e.reason, kind=KIND, model=self.label)
             return reference
@@ -166,15 +193,36 @@ class _GuardedPatch:
         return reference
 
 
-class FusedWanBlock(_GuardedPatch):
-    """The object patch of one WanAttentionBlock's forward."""
-
-    PATH = PATH
+class _RowsSites(_GuardedPatch):
+    """A block patch whose norm passes hand e4m3 rows to the Linear after them, per site (the
+    Linear's name in the block), until FP8_ROWS_MISSES calls in a row found no GEMM reading them."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # site -> calls in a row whose e4m3 rows no GEMM read (FP8_ROWS_MISSES)
         self.fp8_rows_misses: dict[str, int] = {}
+
+    def _wants_rows(self, site: str, rows_ok: bool, linear=None, x: torch.Tensor | None = None) -> bool:
+        """Whether the norm pass before `site` writes e4m3 rows; `linear`, the Linear that reads
+        its output x, where known."""
+        return (rows_ok and self.fp8_rows_misses.get(site, 0) < FP8_ROWS_MISSES
+                and (linear is None or _may_read_rows(linear, x)))
+
+    def _rows_read(self, site: str):
+        """What a _rows_scope reports to: whether a GEMM read the site's rows this call."""
+        def note(read: bool) -> None:
+            misses = 0 if read else self.fp8_rows_misses.get(site, 0) + 1
+            self.fp8_rows_misses[site] = misses
+            if misses == FP8_ROWS_MISSES:
+                log.debug("Triton Accel fused norms: %s's %s Linear does not read FP8 rows; not made any more",
+                          self.name, site)
+        return note
+
+
+class FusedWanBlock(_RowsSites):
+    """The object patch of one WanAttentionBlock's forward."""
+
+    PATH = PATH
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -234,18 +282,16 @@ class FusedWanBlock(_GuardedPatch):
             y = block.ffn(h)
         return gated_residual(x, y, e[5])
 
-    def _wants_rows(self, site: str, rows_ok: bool) -> bool:
-        return rows_ok and self.fp8_rows_misses.get(site, 0) < FP8_ROWS_MISSES
 
-    def _rows_read(self, site: str):
-        """What a _rows_scope reports to: whether a GEMM read the site's rows this call."""
-        def note(read: bool) -> None:
-            misses = 0 if read else self.fp8_rows_misses.get(site, 0) + 1
-            self.fp8_rows_misses[site] = misses
-            if misses == FP8_ROWS_MISSES:
-                log.debug("Triton Accel fused norms: %s's %s Linear does not read FP8 rows; not made any more",
-                          self.name, site)
-        return note
+def _may_read_rows(linear, x: torch.Tensor) -> bool:
+    """False where `linear` carries our Linear patch (ComfyUI installs object patches as the
+    module's own `forward`) and hands x back for its token count (Flux's 512-token text
+    stream): its rows would go unread, and the rowless kernel variant FP8_ROWS_MISSES calls
+    later would compile in the middle of sampling."""
+    forward = getattr(linear, "__dict__", {}).get("forward")
+    if not isinstance(forward, LinearLayer):
+        return True
+    return x.numel() // max(x.shape[-1], 1) >= forward.state.min_tokens
 
 
 @functools.lru_cache(maxsize=16)
@@ -275,18 +321,24 @@ def _one_modulation(e: torch.Tensor, x: torch.Tensor) -> bool:
     return len(shape) == 3 and shape[1] == 6 and shape[2] == x.shape[-1] and shape[0] in (1, x.shape[0])
 
 
-def _bind(args, kwargs) -> dict:
-    """WanAttentionBlock.forward's arguments by name (raises TypeError for any other call)."""
-    names = ("x", "e", "freqs", "context", "context_img_len", "transformer_options")
+def _bind_names(names: tuple, required: int, args, kwargs) -> dict:
+    """A forward's arguments by name, `names` its parameters in order, the first `required` of
+    them without defaults (raises TypeError for any other call)."""
     if len(args) > len(names) or set(kwargs) - set(names):
-        raise TypeError("not WanAttentionBlock.forward's arguments")
+        raise TypeError("not the block's forward arguments")
     call = dict(zip(names, args))
     for key, value in kwargs.items():
         if key in call:
             raise TypeError(f"{key} given twice")
         call[key] = value
-    if any(n not in call for n in names[:4]):
-        raise TypeError("x, e, freqs and context are required")
+    if any(n not in call for n in names[:required]):
+        raise TypeError(f"{', '.join(names[:required])} are required")
+    return call
+
+
+def _bind(args, kwargs) -> dict:
+    """WanAttentionBlock.forward's arguments by name (raises TypeError for any other call)."""
+    call = _bind_names(("x", "e", "freqs", "context", "context_img_len", "transformer_options"), 4, args, kwargs)
     call.setdefault("context_img_len", 257)
     call.setdefault("transformer_options", {})
     return call
@@ -442,6 +494,212 @@ def _qk_weight(norm, x: torch.Tensor):
     raise QKNormInputError(f"unknown QKNorm norm {type(norm).__name__}")
 
 
+# ---- Flux's blocks (comfy/ldm/flux/layers.py: Flux, HunyuanVideo...) --------------------------
+
+# SingleStreamBlock.forward / DoubleStreamBlock.forward's parameters, in order.
+_SINGLE_ARGS = ("x", "vec", "pe", "attn_mask", "modulation_dims", "transformer_options")
+_DOUBLE_ARGS = ("img", "txt", "vec", "pe", "attn_mask", "modulation_dims_img", "modulation_dims_txt",
+                "transformer_options")
+
+
+class _FusedFluxBlock(_RowsSites):
+    """What Flux's two block patches share: the call checks, and ours running first on the
+    checked call (ComfyUI's forward adds into its inputs in place)."""
+
+    PATH = PATH_FLUX
+    ARGS: tuple = ()
+    TENSORS: tuple = ()  # the activations, [B, L, hidden]
+    MODULATION_DIMS: tuple = ()
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.previous(*args, **kwargs)
+        try:
+            call = _bind_names(self.ARGS, len(self.TENSORS) + 2, args, kwargs)
+            reason = self._refusal(call)
+        except TypeError as e:
+            reason = f"arguments: {e}"
+        if reason is not None:
+            return self._original(args, kwargs, reason)
+        return self._serve(args, kwargs, str(call[self.TENSORS[0]].device), lambda: self._fused(**call),
+                           self._compare, ours_first=True)
+
+    def _refusal(self, call: dict) -> str | None:
+        options = call.get("transformer_options")
+        patches = options.get("patches", {}) if isinstance(options, dict) else {}
+        if "attn1_patch" in patches or "attn1_output_patch" in patches:
+            return REASON_PATCHES
+        if any(call.get(name) is not None for name in self.MODULATION_DIMS):
+            return "per-token modulation (modulation_dims) stays ComfyUI's"
+        hidden = self.module.hidden_size
+        for name in self.TENSORS:
+            x = call[name]
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != hidden:
+                return f"{name} is not [B, L, {hidden}]"
+            if torch.is_grad_enabled() and x.requires_grad:
+                return "autograd records this call"
+        return layer_norm_modulate_refusal(call[self.TENSORS[0]].device)
+
+    def _compare(self, ours, reference) -> str | None:
+        if isinstance(reference, torch.Tensor):
+            return _guard_failure(ours, reference)
+        return next((f for f in map(_guard_failure, ours, reference) if f is not None), None)
+
+
+class FusedFluxSingleBlock(_FusedFluxBlock):
+    """The object patch of one SingleStreamBlock's forward: the pre-norm + modulation in one
+    pass (with linear1's e4m3 rows on sm_89+) and the gated residual in one, ComfyUI's modules
+    (Linears, QKNorm, attention, MLP activation) in between."""
+
+    ARGS = _SINGLE_ARGS
+    TENSORS = ("x",)
+    MODULATION_DIMS = ("modulation_dims",)
+
+    def _fused(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options=None):
+        block = self.module
+        x = _unit_last_stride(x)
+        shift, scale, gate = _mod_vectors(block.modulation(vec)[0] if block.modulation is not None else vec)
+        rows_ok = _fp8_rows_refusal(x.device) is None
+        _, h, rows = residual_layer_norm_modulate(x, shift, scale, block.pre_norm.eps,
+                                                  fp8_rows=self._wants_rows("linear1", rows_ok, block.linear1, x))
+        with _rows_scope(h, rows, self._rows_read("linear1")):
+            y = block.linear1(h)
+        del h
+        first = getattr(block, "mlp_hidden_dim_first", block.mlp_hidden_dim)  # ComfyUI 0.3.x: mlp_hidden_dim
+        qkv, mlp = torch.split(y, [3 * block.hidden_size, first], dim=-1)
+        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, block.num_heads, -1).permute(2, 0, 3, 1, 4)
+        del qkv
+        q, k = block.norm(q, k, v)
+        attn = _flux_attention(block)(q, k, v, pe=pe, mask=attn_mask,
+                                      transformer_options={} if transformer_options is None else transformer_options)
+        del q, k, v
+        if getattr(block, "yak_mlp", False):
+            mlp = block.mlp_act(mlp[..., first // 2:]) * mlp[..., :first // 2]
+        else:
+            mlp = block.mlp_act(mlp)
+        x = gated_residual(x, block.linear2(torch.cat((attn, mlp), 2)), gate, round_product=True)
+        return _fp16_finite(x)
+
+
+class FusedFluxDoubleBlock(_FusedFluxBlock):
+    """The object patch of one DoubleStreamBlock's forward: per stream (image, text), norm1 +
+    modulation in one pass; after the attention, the projection's gated residual with norm2 +
+    modulation in one (img += proj * gate1, then the MLP's input); the MLP's gated residual in
+    one; on sm_89+ the two norm passes write the e4m3 rows of the Linear after them."""
+
+    ARGS = _DOUBLE_ARGS
+    TENSORS = ("img", "txt")
+    MODULATION_DIMS = ("modulation_dims_img", "modulation_dims_txt")
+
+    def _fused(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
+               transformer_options=None):
+        block = self.module
+        if getattr(block, "modulation", True):  # ComfyUI 0.3.x's blocks always modulate
+            img_mod1, img_mod2 = block.img_mod(vec)
+            txt_mod1, txt_mod2 = block.txt_mod(vec)
+        else:
+            (img_mod1, img_mod2), (txt_mod1, txt_mod2) = vec
+        img, txt = _unit_last_stride(img), _unit_last_stride(txt)
+        rows_ok = _fp8_rows_refusal(img.device) is None
+        img_q, img_k, img_v = self._qkv("img", block.img_norm1, block.img_attn, img, img_mod1, rows_ok)
+        txt_q, txt_k, txt_v = self._qkv("txt", block.txt_norm1, block.txt_attn, txt, txt_mod1, rows_ok)
+        q = torch.cat((txt_q, img_q), dim=2)
+        del txt_q, img_q
+        k = torch.cat((txt_k, img_k), dim=2)
+        del txt_k, img_k
+        v = torch.cat((txt_v, img_v), dim=2)
+        del txt_v, img_v
+        attn = _flux_attention(block)(q, k, v, pe=pe, mask=attn_mask,
+                                      transformer_options={} if transformer_options is None else transformer_options)
+        del q, k, v
+        txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
+        img = self._mlp("img", block.img_attn.proj, block.img_norm2, block.img_mlp, img, img_attn, img_mod1, img_mod2,
+                        rows_ok)
+        del img_attn
+        txt = self._mlp("txt", block.txt_attn.proj, block.txt_norm2, block.txt_mlp, txt, txt_attn, txt_mod1, txt_mod2,
+                        rows_ok)
+        return img, _fp16_finite(txt)
+
+    def _qkv(self, stream: str, norm, attn, x, mod, rows_ok: bool):
+        shift, scale, _ = _mod_vectors(mod)
+        site = stream + "_qkv"
+        _, h, rows = residual_layer_norm_modulate(x, shift, scale, norm.eps,
+                                                  fp8_rows=self._wants_rows(site, rows_ok, attn.qkv, x))
+        with _rows_scope(h, rows, self._rows_read(site)):
+            qkv = attn.qkv(h)
+        del h
+        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.module.num_heads, -1).permute(2, 0, 3, 1, 4)
+        del qkv
+        q, k = attn.norm(q, k, v)
+        return q, k, v
+
+    def _mlp(self, stream: str, proj, norm2, mlp, x, attn_out, mod1, mod2, rows_ok: bool):
+        """x + proj(attn_out) * gate1, norm2 + modulation of that, and the MLP's gated residual."""
+        gate1 = _mod_vectors(mod1)[2]
+        shift2, scale2, gate2 = _mod_vectors(mod2)
+        site = stream + "_mlp"
+        first = mlp[0] if isinstance(mlp, torch.nn.Sequential) and len(mlp) else None
+        x, h, rows = residual_layer_norm_modulate(x, shift2, scale2, norm2.eps, residual=proj(attn_out), gate=gate1,
+                                                  round_product=True,
+                                                  fp8_rows=self._wants_rows(site, rows_ok, first, x))
+        with _rows_scope(h, rows, self._rows_read(site)):
+            y = mlp(h)
+        del h
+        return gated_residual(x, y, gate2, round_product=True)
+
+
+def _mod_vectors(mod) -> tuple:
+    """(shift, scale, gate) of one of Flux's ModulationOut."""
+    try:
+        return mod.shift, mod.scale, mod.gate
+    except AttributeError:
+        raise LayerNormModulateInputError(f"modulation {type(mod).__name__} has no shift/scale/gate") from None
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """x as the row kernels read it (HunyuanVideo hands its text stream over as a strided view)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _fp16_finite(x: torch.Tensor) -> torch.Tensor:
+    """What Flux's blocks do to a float16 residual stream they return."""
+    if x.dtype == torch.float16:
+        return torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
+    return x
+
+
+def _flux_attention(block):
+    """The attention function ComfyUI's flux layers call (comfy.ldm.flux.math.attention, as their
+    module imported it): RoPE, then optimized_attention with the model's overrides."""
+    return type(block).forward.__globals__["attention"]
+
+
+def fusable_flux_block(block: torch.nn.Module) -> str | None:
+    """Why `block` is not a Flux-layer block this patch knows (None: it is)."""
+    if _is_own_forward(block, "SingleStreamBlock", FLUX_MODULE):
+        norms = ("pre_norm",)
+        modules = ("linear1", "linear2", "norm", "mlp_act")
+    elif _is_own_forward(block, "DoubleStreamBlock", FLUX_MODULE):
+        if getattr(block, "flipped_img_txt", False):
+            return "a block with flipped_img_txt"
+        norms = ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")
+        modules = ("img_attn", "txt_attn", "img_mlp", "txt_mlp")
+    else:
+        return f"{type(block).__name__} is not ComfyUI's flux SingleStreamBlock / DoubleStreamBlock"
+    hidden, heads = getattr(block, "hidden_size", None), getattr(block, "num_heads", None)
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0 or hidden % heads:
+        return "heads do not tile the hidden size"
+    for name in modules:
+        if not isinstance(getattr(block, name, None), torch.nn.Module):
+            return f"no {name} module"
+    for name in norms:
+        norm = getattr(block, name, None)
+        if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is not None \
+                or tuple(norm.normalized_shape) != (hidden,):
+            return f"{name} is not a LayerNorm over {hidden} channels without affine"
+    return None
+
+
 def fusable_qk_norm(module: torch.nn.Module) -> str | None:
     """Why `module` is not a QKNorm this patch knows (None: it is)."""
     if not _is_own_forward(module, "QKNorm", FLUX_MODULE):
@@ -484,30 +742,43 @@ def enabled() -> bool:
 
 
 def patch_fused_norms(patched, label: str) -> int:
-    """Put FusedWanBlock object patches on every fusable block of `patched` (a ModelPatcher
-    clone, changed in place); returns how many. Blocks already patched are left as they are."""
+    """Put the fused-norm object patches (Wan blocks, Flux-layer QKNorms and blocks, by
+    TRITON_ACCEL_FUSED_NORMS) on every fusable module of `patched` (a ModelPatcher clone,
+    changed in place); returns how many. Modules already patched are left as they are."""
     diffusion_model = getattr(getattr(patched, "model", None), "diffusion_model", None)
     if not isinstance(diffusion_model, torch.nn.Module):
         return 0
+    mode = env_settings.fused_norms()
     # Flux's QKNorms unless TRITON_ACCEL_FUSED_NORMS=blocks: 10-11 ms less GPU time in a Flux
     # 1024² step (session 32's profiles on an H100: 105.0 / 106.6 against 116.2 / 116.5 ms).
-    count = _patch_qk_norms(patched, diffusion_model, label) if env_settings.fused_norms() == "all" else 0
-    blocks = getattr(diffusion_model, "blocks", None)
-    guard = Guard()
-    for i, block in enumerate(blocks if isinstance(blocks, torch.nn.ModuleList) else ()):
-        if fusable_block(block) is not None:
-            continue
-        key = f"diffusion_model.blocks.{i}.forward"
-        previous = patched.get_model_object(key)
-        if isinstance(previous, FusedWanBlock):
-            continue
-        if not (isinstance(previous, types.MethodType) and previous.__self__ is block):
-            continue  # another node's patch of this block: left alone
-        patched.add_object_patch(key, FusedWanBlock(label, f"blocks.{i}", block, previous, guard))
-        count += 1
+    count = _patch_qk_norms(patched, diffusion_model, label) if mode in ("all", "qk") else 0
+    if mode == "all":
+        count += _patch_blocks(patched, diffusion_model, "double_blocks", FusedFluxDoubleBlock, fusable_flux_block,
+                               label)
+        count += _patch_blocks(patched, diffusion_model, "single_blocks", FusedFluxSingleBlock, fusable_flux_block,
+                               label)
+    count += _patch_blocks(patched, diffusion_model, "blocks", FusedWanBlock, fusable_block, label)
     if count:
         _add_multigpu_callbacks(patched)
-        log.info("Triton Accel fused norms (%s): %d Wan attention blocks / QKNorms patched", label, count)
+        log.info("Triton Accel fused norms (%s): %d blocks / QKNorms patched", label, count)
+    return count
+
+
+def _patch_blocks(patched, diffusion_model: torch.nn.Module, attr: str, cls, fusable, label: str) -> int:
+    """Object patches of class `cls` on the blocks of diffusion_model.<attr> that `fusable`
+    accepts, one Guard for them all; how many were added."""
+    count = 0
+    blocks = getattr(diffusion_model, attr, None)
+    guard = Guard()
+    for i, block in enumerate(blocks if isinstance(blocks, torch.nn.ModuleList) else ()):
+        if fusable(block) is not None:
+            continue
+        key = f"diffusion_model.{attr}.{i}.forward"
+        previous = patched.get_model_object(key)
+        if not (isinstance(previous, types.MethodType) and previous.__self__ is block):
+            continue  # ours already, or another node's patch: left alone
+        patched.add_object_patch(key, cls(label, f"{attr}.{i}", block, previous, guard))
+        count += 1
     return count
 
 
@@ -548,7 +819,7 @@ def on_multigpu_clone(source, clone) -> None:
     each at the clone's own block (and its own forward), with a guard of its own."""
     diffusion_model = getattr(getattr(clone, "model", None), "diffusion_model", None)
     for key, value in list(clone.object_patches.items()):
-        if not isinstance(value, (FusedWanBlock, FusedQKNorm)):
+        if not isinstance(value, (FusedWanBlock, FusedQKNorm, _FusedFluxBlock)):
             continue
         try:
             module = diffusion_model.get_submodule(value.name)
@@ -556,7 +827,8 @@ def on_multigpu_clone(source, clone) -> None:
             module = None
         if module is value.module:
             continue
-        fusable = fusable_block if isinstance(value, FusedWanBlock) else fusable_qk_norm
+        fusable = (fusable_block if isinstance(value, FusedWanBlock)
+                   else fusable_flux_block if isinstance(value, _FusedFluxBlock) else fusable_qk_norm)
         if module is None or fusable(module) is not None:
             del clone.object_patches[key]
             continue

@@ -30,11 +30,17 @@ AMD = {"gfx942": ("gfx942", 64), "gfx1100": ("gfx1100", 32)}
 # LayerNorm once.
 CASES = [("norm_rope", {"dtype": "bf16"}), ("layer_norm_modulate", {"dtype": "bf16"}),
          ("qk_norm", {"dtype": "bf16"}), ("gated_residual_norm", {"dtype": "bf16"}),
-         ("layer_norm_modulate", {"dtype": "bf16", "affine": True}), ("gated_residual_norm", {"dtype": "bf16", "norm": False})]
+         ("layer_norm_modulate", {"dtype": "bf16", "affine": True}), ("gated_residual_norm", {"dtype": "bf16", "norm": False}),
+         # Flux's blocks: the product rounded before the residual add, with and without norm2
+         ("gated_residual_norm", {"dtype": "bf16", "norm": False, "round_product": True}),
+         ("layer_norm_modulate", {"dtype": "bf16", "channels": 3072, "residual": True, "gate": True,
+                                  "round_product": True})]
 # The norm kernels' e4m3 rows for the FP8 Linear (sm_89+, where that Linear runs): Wan's norm2
 # after the cross-attention's residual, and norm3 after the gated residual.
 FP8_ROWS_CASES = [("layer_norm_modulate", {"dtype": "bf16", "residual": True, "fp8_rows": True}),
-                  ("gated_residual_norm", {"dtype": "bf16", "fp8_rows": True})]
+                  ("gated_residual_norm", {"dtype": "bf16", "fp8_rows": True}),
+                  ("layer_norm_modulate", {"dtype": "bf16", "channels": 3072, "residual": True, "gate": True,
+                                           "round_product": True, "fp8_rows": True})]
 TURING_CASES = [("norm_rope", {"dtype": "fp16"}), ("layer_norm_modulate", {"dtype": "fp16"}),
                 ("qk_norm", {"dtype": "fp16"}), ("gated_residual_norm", {"dtype": "fp16"})]
 
@@ -127,6 +133,11 @@ def test_fused_norm_kernels_compile(report, job):
             assert "rsqrt.approx" in ptx
         if kwargs["dtype"] == "bf16" and NVIDIA[target] >= 80:
             assert "cvt.rn.bf16" in ptx, "bf16 outputs must round to nearest"
+        if kwargs.get("round_product"):
+            # Flux's y * gate is rounded to bf16 on its bits (kernel_common.round_unfused): a
+            # plain round trip through bf16 would be contracted with the residual add into one
+            # bf16 FMA, one rounding where ComfyUI's two ops round twice.
+            assert re.search(r"and\.b32\s+%r\d+, %r\d+, -65536;", ptx), "the product is not rounded on its bits"
         if kwargs.get("fp8_rows"):
             # e4m3 by the hardware's saturating round-to-nearest conversion, the scale by an
             # IEEE division (quantize_activation's bits).

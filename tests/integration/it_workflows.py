@@ -41,6 +41,17 @@ class Workflow:
         return [node_id, slot]
 
 
+# Widest tiny model whose FP8 Linear the Triton interpreter runs in reasonable time (ComfyUI
+# 0.3.x builds the tiny Flux 3072 wide, whatever make_tiny_models.py asked for).
+MAX_INTERPRETED_WIDTH = 512
+
+
+def model_width(models: dict, family: str) -> int:
+    """The hidden width of the tiny `family` model ComfyUI built (its unet_config)."""
+    cfg = (models or {}).get(family, {}).get("unet_config", {})
+    return int(cfg.get("hidden_size") or cfg.get("dim") or 320)
+
+
 def family_spec(family: str, models: dict | None = None) -> dict:
     """FAMILIES[family], with the text width the model on disk really has (ComfyUI 0.3.x reads
     Flux as context 4096 whatever make_tiny_models.py asked for)."""
@@ -125,7 +136,7 @@ def patch(mode: str | None = "fp16", device: str = "auto"):
 
 def fused_norms(item: tuple, norms: str) -> tuple:
     """A PATCH or COMBINED_PATCH model_chain item run with TRITON_ACCEL_FUSED_NORMS=norms ("all",
-    "blocks" or "off"; unset, the pack's default, is "all") through the TritonAccelTestFusedNorms test node;
+    "qk", "blocks" or "off"; unset, the pack's default, is "all") through the TritonAccelTestFusedNorms test node;
     the combined node then gets skip "auto" and min_tokens 1, as linear_patch() gives it."""
     node, inputs = item
     wrapped = {"node": node, "attn1_patch": False, "fused_norms": norms}

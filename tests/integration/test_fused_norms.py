@@ -10,7 +10,8 @@ attention error moves this latent by 2.4e-3 (test_attention_patch.py's calibrati
 
 import pytest
 
-from it_workflows import fused_norms, linear_patch, patch, read_latent, rel_l2, sampling_workflow
+from it_workflows import (MAX_INTERPRETED_WIDTH, fused_norms, linear_patch, model_width, patch, read_latent, rel_l2,
+                          sampling_workflow)
 
 FAMILY = "wan21"
 FUSED_TOL = 1e-5
@@ -102,27 +103,55 @@ def test_attention_off_patches_no_block(comfy):
     assert rel_l2(latent, ref) < EXACT_TOL
 
 
-@pytest.mark.parametrize("family", ["flux", "hunyuan_video"])
-def test_flux_qk_norms_fused(comfy, family):
-    """Every QKNorm of comfy/ldm/flux/layers.py (Flux's and HunyuanVideo's double and single
-    blocks) served by the one-launch QK norm by default (the plain patch node, setting unset),
-    the latent unchanged within fp32 sum order against TRITON_ACCEL_FUSED_NORMS=blocks (no Wan
-    block in these models: nothing fused)."""
-    def sample(chain, tag):
-        prompt, save, _ = sampling_workflow(family, model_chain=chain, tag=tag, models=comfy.models)
-        comfy.reset_stats()
-        entry = comfy.run(prompt)
-        return read_latent(comfy, entry, save), comfy.stats()
+def _sample_family(comfy, family, chain, tag):
+    prompt, save, _ = sampling_workflow(family, model_chain=chain, tag=tag, models=comfy.models)
+    comfy.reset_stats()
+    entry = comfy.run(prompt)
+    return read_latent(comfy, entry, save), comfy.stats()
 
-    plain, plain_stats = sample([fused(norms="blocks")], "plain")  # blocks: no QKNorm fused
+
+@pytest.mark.parametrize("family", ["flux", "hunyuan_video"])
+def test_flux_qk_norms_and_blocks_fused(comfy, family):
+    """Every QKNorm and every Double/SingleStreamBlock of comfy/ldm/flux/layers.py (Flux's and
+    HunyuanVideo's) served by the fused passes by default (the plain patch node, setting unset),
+    the latent unchanged within fp32 sum order against TRITON_ACCEL_FUSED_NORMS=blocks (no Wan
+    block in these models: nothing fused); =qk fuses the QKNorms only."""
+    plain, plain_stats = _sample_family(comfy, family, [fused(norms="blocks")], "plain")  # blocks: nothing here
     assert _kind(plain_stats, "norms")["served"] == 0, _kind(plain_stats, "norms")
-    latent, stats = sample([patch("fp16")], "default")
-    norms = _kind(stats, "norms")
-    err = rel_l2(latent, plain)
-    print(f"\n[{family}] fused QK norms vs unfused: rel L2 {err:.3e}; norms {norms}")
-    assert norms["served"] > 0 and norms["handed_back"] == 0, norms
-    assert list(norms["paths"]) == ["fused_qk_norm"], norms
-    assert norms["served"] % STEPS_BLOCK_CALLS == 0, norms  # every QKNorm, every step
+    qk, qk_stats = _sample_family(comfy, family, [fused(norms="qk")], "qk")
+    latent, stats = _sample_family(comfy, family, [patch("fp16")], "default")
+    norms, qk_norms = _kind(stats, "norms"), _kind(qk_stats, "norms")
+    err, qk_err = rel_l2(latent, plain), rel_l2(qk, plain)
+    print(f"\n[{family}] fused QK norms + blocks vs unfused: rel L2 {err:.3e}; norms {norms}; "
+          f"QK norms only: rel L2 {qk_err:.3e}, {qk_norms}")
+    assert list(qk_norms["paths"]) == ["fused_qk_norm"] and qk_norms["handed_back"] == 0, qk_norms
+    assert qk_norms["served"] % STEPS_BLOCK_CALLS == 0, qk_norms  # every QKNorm, every step
+    assert set(norms["paths"]) == {"fused_qk_norm", "fused_flux_block"} and norms["handed_back"] == 0, norms
+    # each block's QKNorm(s) still called inside the fused block; the first block of each kind
+    # runs twice on its checked call (ours, then ComfyUI's forward)
+    assert norms["paths"]["fused_qk_norm"] > qk_norms["served"], (norms, qk_norms)
+    assert norms["paths"]["fused_flux_block"] % STEPS_BLOCK_CALLS == 0, norms
+    assert err < FUSED_TOL and qk_err < FUSED_TOL, (err, qk_err)
+
+
+def test_flux_blocks_with_the_fp8_linear(comfy):
+    """Flux's fused blocks under the combined patch with the FP8 Linear (its interpreter path on
+    the CPU): the same Linear calls served as with the blocks left to ComfyUI (=qk), the latent
+    within the fused passes' tolerance of that run; the norm passes' e4m3 rows are read by the
+    Linears after them from their third call on (DirectCall, CUDA only), so not here."""
+    if model_width(comfy.models, "flux") > MAX_INTERPRETED_WIDTH:
+        pytest.skip(f"ComfyUI {comfy.version} builds tiny Flux {model_width(comfy.models, 'flux')} wide: too slow "
+                    "for the Triton interpreter's FP8 Linear")
+    chain = linear_patch("fp8", attention_mode="fp16", combined=True)
+    ref, ref_stats = _sample_family(comfy, "flux", [fused_norms(chain, "qk")], "flux_linear_qk")
+    latent, stats = _sample_family(comfy, "flux", [fused_norms(chain, "all")], "flux_linear_all")
+    norms, linear, ref_linear = _kind(stats, "norms"), _kind(stats, "linear"), _kind(ref_stats, "linear")
+    err = rel_l2(latent, ref)
+    print(f"\nFlux fused blocks + FP8 Linear vs QK norms only: rel L2 {err:.3e}; norms {norms}; linear "
+          f"{linear['served']} served / {linear['handed_back']} back (qk: {ref_linear['served']} / "
+          f"{ref_linear['handed_back']})")
+    assert norms["paths"].get("fused_flux_block", 0) > 0 and norms["handed_back"] == 0, norms
+    assert ref_linear["served"] > 0 and linear["served"] >= ref_linear["served"], (linear, ref_linear)
     assert err < FUSED_TOL, err
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from it_workflows import MAX_INTERPRETED_WIDTH, model_width
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 LINEAR_TOL = {"sd15": 1e-3, "flux": 3e-2, "wan21": 3e-2}
@@ -44,9 +46,7 @@ ANY = "wan21"  # tiny in every ComfyUI version
 LORA_FILE = "tiny_wan21_lora_it.safetensors"
 LORA_TARGETS = ("blocks.0.self_attn.q", "blocks.0.self_attn.k", "blocks.0.self_attn.v", "blocks.0.self_attn.o",
                 "blocks.0.cross_attn.q", "blocks.0.ffn.0", "blocks.0.ffn.2")
-# 0.3.x reads Flux as 3072 wide: its layers would take the interpreter many minutes per step.
-MAX_INTERPRETED_WIDTH = 512
-# SD1.5 keeps 320/640/1280 channels (its 1280 -> 10240 feed-forward takes the interpreter
+# Flux wider than MAX_INTERPRETED_WIDTH (ComfyUI 0.3.x's 3072) is skipped. SD1.5 keeps 320/640/1280 channels (its 1280 -> 10240 feed-forward takes the interpreter
 # ~15 min for 2 steps): only the first level's transformer (input_blocks.1, 320 wide, 9 Linear
 # layers over the 64 latent tokens) is ours there; the other layers count as skipped.
 FAMILY_SKIP = {"sd15": r"auto, re:(?!input_blocks\.1\.).*"}
@@ -111,8 +111,7 @@ def wan_lora(comfy):
 
 
 def _width(comfy, family) -> int:
-    cfg = comfy.models.get(family, {}).get("unet_config", {})
-    return int(cfg.get("hidden_size") or cfg.get("dim") or 320)
+    return model_width(comfy.models, family)
 
 
 def _served(run, method="fp8_w8a8") -> int:

@@ -558,3 +558,148 @@ def test_rows_ops_trace_with_fake_tensors_and_compile():
 
     compiled = torch.compile(block, backend="eager", fullgraph=True)
     assert all(torch.equal(a, b) for a, b in zip(compiled(x), block(x)))
+
+
+# ---- Flux's blocks (comfy/ldm/flux/layers.py): `x += apply_mod(y, gate)`, a product tensor then
+# an in-place add (two roundings, where Wan's addcmul rounds once), then norm2 + modulation -----
+
+def comfy_flux_gated_residual(x, y, gate):
+    """Flux's `x += apply_mod(y, gate)`: y * gate in x's dtype, then the in-place add."""
+    out = x.clone()
+    out += y * gate
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,batch,tokens,channels", LN_SHAPES, ids=[s[0] for s in LN_SHAPES])
+def test_flux_gated_residual_rounds_the_product_first(dtype, name, batch, tokens, channels):
+    x, y, gate, _, _ = gated_residual_inputs(batch, tokens, channels, dtype)
+    comfy = comfy_flux_gated_residual(x, y, gate)
+    out = grn.gated_residual(x, y, gate, round_product=True)
+    check(out, comfy, dtype)
+    check(out, grn.gated_residual_norm_ref(x, y, gate, 0.0, norm=False, round_product=True)[0], dtype)
+    if dtype == torch.bfloat16:
+        # The rounding is what the flag changes: Wan's single rounding moves values here.
+        assert not torch.equal(grn.gated_residual(x, y, gate), comfy)
+        assert torch.equal(out, comfy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,batch,tokens,channels", LN_SHAPES, ids=[s[0] for s in LN_SHAPES])
+@pytest.mark.parametrize("fp8_rows", [False, True], ids=["no_rows", "rows"])
+def test_gated_residual_layer_norm_modulate_matches_flux(dtype, name, batch, tokens, channels, fp8_rows):
+    """Flux's double block after its attention: img += proj(attn) * gate1, then
+    addcmul(shift2, norm2(img), 1 + scale2), and the result's e4m3 rows, in one pass. The
+    modulation vectors are chunks of one [B, 1, 6C] tensor, as Flux's Modulation returns them."""
+    x, y, _, _, _ = gated_residual_inputs(batch, tokens, channels, dtype)
+    mod = (torch.randn(batch, 1, 6 * channels, generator=torch.Generator().manual_seed(3)) * 0.4).to(dtype)
+    shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
+    h, out, rows = lnm.residual_layer_norm_modulate(x, shift2, scale2, 1e-6, residual=y, gate=gate1,
+                                                    round_product=True, fp8_rows=fp8_rows)
+    ref_h = comfy_flux_gated_residual(x, y, gate1)
+    check(h, ref_h, dtype)
+    check(out, comfy_layer_norm_modulate(ref_h, shift2, scale2, 1e-6), dtype)
+    if fp8_rows:
+        _fp8_rows_equal(rows, out)
+    else:
+        assert rows is None
+    if dtype == torch.bfloat16:
+        assert torch.equal(h, ref_h)
+
+
+def test_gated_residual_layer_norm_modulate_refuses_a_gate_without_residual():
+    x = activations(1, 4, 64, torch.bfloat16)
+    s = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(lnm.LayerNormModulateInputError, match="gate needs a residual"):
+        lnm.residual_layer_norm_modulate(x, s, s, 1e-6, gate=s)
+    with pytest.raises(lnm.LayerNormModulateInputError, match="gate"):
+        lnm.residual_layer_norm_modulate(x, s, s, 1e-6, residual=x, gate=torch.zeros(3, 1, 64, dtype=torch.bfloat16))
+
+
+def test_flux_residual_ops_trace_and_compile():
+    x, r = activations(1, 5, 64, torch.float16), activations(1, 5, 64, torch.float16, seed=2)
+    e = (torch.randn(1, 1, 6 * 64) * 0.3).half().chunk(6, dim=-1)
+
+    def block(x):
+        h, out, _ = lnm.residual_layer_norm_modulate(x, e[3], e[4], 1e-6, residual=r, gate=e[2], round_product=True)
+        return grn.gated_residual(h, out, e[5], round_product=True)
+
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), block(x))
+
+
+# ---- direct_launch.SiteMemo: a repeated call layout skips the checks and the signature key ----
+
+@pytest.fixture
+def memo_harness(monkeypatch):
+    """Direct launches on as on a GPU (the CPU tensors read as CUDA ones, every signature's
+    plan verified), launches recorded instead of run; the memos emptied before and after."""
+    from triton_accel.kernels import cache_registry
+    from triton_accel.kernels import direct_launch as dl
+
+    launches = []
+    plan = dl.Plan("kernel", (1,), (), True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(dl, "usable", lambda t: True)
+    monkeypatch.setattr(dl, "lookup", lambda key: plan)
+    monkeypatch.setattr(dl, "launch", lambda p, index, args: launches.append((p, args)))
+    cache_registry.clear_all()
+    yield launches
+    cache_registry.clear_all()
+
+
+def _same_launch(first, second, inputs):
+    """The remembered launch passes what the checked one passed: the inputs by data pointer,
+    fresh outputs of the same dtype and size, equal scalars."""
+    (p1, a1), (p2, a2) = first, second
+    assert p1 is p2 and len(a1) == len(a2)
+    ptrs = {t.data_ptr() for t in inputs}
+    for u, v in zip(a1, a2):
+        if isinstance(u, torch.Tensor):
+            assert isinstance(v, torch.Tensor) and u.dtype == v.dtype
+            if u.data_ptr() in ptrs:
+                assert v.data_ptr() == u.data_ptr()
+            else:
+                assert v.data_ptr() not in ptrs and v.numel() == u.numel()
+        else:
+            assert type(u) is type(v) and u == v
+
+
+@pytest.mark.parametrize("kernel", ["layer_norm_modulate_rows", "flux_gated_layer_norm_modulate", "gated_residual",
+                                    "qk_rms_norm"])
+def test_site_memo_repeats_the_checked_launch(memo_harness, kernel):
+    x, y = activations(2, 5, 64, torch.bfloat16), activations(2, 5, 64, torch.bfloat16, seed=3)
+    mod = (torch.randn(2, 1, 6 * 64) * 0.3).bfloat16().chunk(6, dim=-1)
+    q, k, _ = qkv_views(1, 7, 2, 32, torch.bfloat16)
+    w = torch.ones(32, dtype=torch.bfloat16)
+    calls = {"layer_norm_modulate_rows": (lambda: lnm.residual_layer_norm_modulate(x, mod[0], mod[1], 1e-6,
+                                                                                     fp8_rows=True), (x, *mod)),
+             "flux_gated_layer_norm_modulate": (lambda: lnm.residual_layer_norm_modulate(
+                 x, mod[3], mod[4], 1e-6, residual=y, gate=mod[2], round_product=True), (x, y, *mod)),
+             "gated_residual": (lambda: grn.gated_residual(x, y, mod[5], round_product=True), (x, y, *mod)),
+             "qk_rms_norm": (lambda: qkn.qk_rms_norm(q, k, w, w, 1e-6), (q, k, w))}
+    call, inputs = calls[kernel]
+    call()
+    call()
+    assert len(memo_harness) == 2
+    _same_launch(*memo_harness, inputs)
+
+
+def test_site_memo_misses_on_another_layout(memo_harness, monkeypatch):
+    """Another alignment, stride or flag is another fingerprint: the checks run again (and
+    refuse what they refuse)."""
+    checked = []
+    real = lnm._check
+    monkeypatch.setattr(lnm, "_check", lambda *a: checked.append(1) or real(*a))
+    x = activations(1, 5, 64, torch.bfloat16)
+    mod = (torch.randn(1, 1, 6 * 64) * 0.3).bfloat16().chunk(6, dim=-1)
+    lnm.residual_layer_norm_modulate(x, mod[0], mod[1], 1e-6)
+    lnm.residual_layer_norm_modulate(x, mod[0], mod[1], 1e-6)
+    assert len(checked) == 1
+    lnm.residual_layer_norm_modulate(x, mod[0], mod[1], 1e-6, fp8_rows=True)
+    base = torch.randn(1, 5 * 64 + 1).bfloat16()
+    lnm.residual_layer_norm_modulate(base[:, 1:].view(1, 5, 64), mod[0], mod[1], 1e-6)
+    assert len(checked) == 3
+    with pytest.raises(lnm.LayerNormModulateInputError):
+        lnm.residual_layer_norm_modulate(x, mod[0], mod[1][..., :32], 1e-6)

@@ -197,3 +197,42 @@ def test_tma_only_for_aligned_tensors_and_triton_3_4(monkeypatch):
     assert not lf._tma_usable(w, w.view(-1)[1:].view(-1)[: 32 * 63].view(63, 32))  # one byte off
     monkeypatch.setattr(lf._device, "triton_version", lambda: "3.3.1")
     assert not lf._tma_usable(w)
+
+
+def test_rebased_descriptor_is_the_one_the_constructor_builds():
+    """DirectCall rebases the first call's validated TMA descriptors onto each call's fresh
+    tensors instead of constructing (and checking) three a call: every field this Triton's
+    TensorDescriptor has must come out as the constructor makes it, the base swapped."""
+    TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
+    first, second = (torch.empty(64, 128, dtype=torch.float8_e4m3fn) for _ in range(2))
+    template = TensorDescriptor(first, [64, 128], [128, 1], [32, 64])
+    rebased = lf._rebased(template, second)
+    built = TensorDescriptor(second, [64, 128], [128, 1], [32, 64])
+    assert type(rebased) is TensorDescriptor and rebased.base is second and template.base is first
+    assert {k: v for k, v in vars(rebased).items() if k != "base"} == {k: v for k, v in vars(built).items()
+                                                                      if k != "base"}
+    assert set(vars(rebased)) == set(vars(built))
+
+
+def test_direct_call_keeps_no_call_tensor_alive(monkeypatch):
+    """DirectCall keeps its first call's TMA descriptors as templates, without their bases: with
+    them it held that call's output and e4m3 input for good, one pair per Linear layer (Wan 2.1
+    14B ran out of an H100's memory, Flux 12B's peak went from 32 to 51 GiB). Launches stubbed
+    on the CPU."""
+    import gc
+    import weakref
+
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    dl = importlib.import_module("triton_accel.kernels.direct_launch")
+    monkeypatch.setattr(dl, "lookup", lambda key: dl.Plan(None, (1,), (), True))
+    monkeypatch.setattr(dl, "usable", lambda t: True)
+    monkeypatch.setattr(dl, "launch", lambda plan, index, args: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    w = lf.Fp8LinearWeight(torch.zeros(256, 128, dtype=torch.float8_e4m3fn), torch.ones(256))
+    call = lf.DirectCall("quant", "gemm", True, (64, 64, 64, 64), w, 64, 256, 128, torch.bfloat16, 0,
+                         torch.device("cpu"), 0)
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    outs = [weakref.ref(call(x, None)) for _ in range(3)]
+    gc.collect()
+    assert all(ref() is None for ref in outs)
+    assert call.templates is not None and all(d.base is None for d in call.templates)

@@ -405,10 +405,11 @@ def test_multigpu_clone_gets_its_own_blocks():
 
 
 @pytest.mark.parametrize("value, mode", [(None, "all"), ("1", "blocks"), ("on", "blocks"), ("blocks", "blocks"),
-                                         ("all", "all"), (" ALL ", "all"), ("off", "off"), ("0", "off"), ("", "off")])
+                                         ("all", "all"), (" ALL ", "all"), ("qk", "qk"), ("off", "off"), ("0", "off"),
+                                         ("", "off")])
 def test_enabled_reads_the_setting(monkeypatch, value, mode):
     """Wan blocks and Flux's QKNorms fused by default (both measured faster); "blocks" keeps
-    the QKNorms ComfyUI's."""
+    the QKNorms ComfyUI's; "qk" fuses them but not Flux's blocks (test_flux_blocks_... below)."""
     if value is None:
         monkeypatch.delenv("TRITON_ACCEL_FUSED_NORMS", raising=False)
     else:
@@ -416,7 +417,7 @@ def test_enabled_reads_the_setting(monkeypatch, value, mode):
     assert env_settings.fused_norms() == mode
     assert pfn.enabled() == (mode != "off")
     patcher = FakePatcher(FluxLike("torch"))
-    assert pfn.patch_fused_norms(patcher, "Flux #test") == (2 if mode == "all" else 0)
+    assert pfn.patch_fused_norms(patcher, "Flux #test") == (2 if mode in ("all", "qk") else 0)
 
 
 # ---- Flux's QKNorm ------------------------------------------------------------------------------
@@ -517,3 +518,283 @@ def test_other_qk_norms_are_left_alone():
             return q, k
 
     assert "not ComfyUI's flux QKNorm" in pfn.fusable_qk_norm(KreaQKNorm(HEAD_DIM))
+
+
+# ---- Flux's blocks ------------------------------------------------------------------------------
+# ComfyUI 0.29's SingleStreamBlock / DoubleStreamBlock (comfy/ldm/flux/layers.py) restated: the
+# modulation, the LayerNorms without affine, `apply_mod`'s addcmul / product, the in-place
+# `x += ...` residuals. `attention` stands in for comfy.ldm.flux.math.attention (no RoPE here).
+
+FLUX_HIDDEN = HEADS * HEAD_DIM
+
+
+def attention(q, k, v, pe, mask=None, transformer_options={}):
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def apply_mod(tensor, m_mult, m_add=None, modulation_dims=None):
+    if modulation_dims is None:
+        return torch.addcmul(m_add, tensor, m_mult) if m_add is not None else tensor * m_mult
+    for d in modulation_dims:
+        tensor[:, d[0]:d[1]] *= m_mult[:, d[2]:d[2] + 1]
+        if m_add is not None:
+            tensor[:, d[0]:d[1]] += m_add[:, d[2]:d[2] + 1]
+    return tensor
+
+
+class ModulationOut(types.SimpleNamespace):
+    pass
+
+
+class Modulation(torch.nn.Module):
+    def __init__(self, dim, double):
+        super().__init__()
+        self.is_double, self.multiplier = double, 6 if double else 3
+        self.lin = torch.nn.Linear(dim, self.multiplier * dim)
+
+    def forward(self, vec):
+        out = self.lin(torch.nn.functional.silu(vec[:, None, :])).chunk(self.multiplier, dim=-1)
+        return (ModulationOut(shift=out[0], scale=out[1], gate=out[2]),
+                ModulationOut(shift=out[3], scale=out[4], gate=out[5]) if self.is_double else None)
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.qkv, self.norm, self.proj = torch.nn.Linear(dim, 3 * dim), QKNorm(HEAD_DIM), torch.nn.Linear(dim, dim)
+
+
+def _layer_norm(dim):
+    return torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+
+class DoubleStreamBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.hidden_size, self.modulation = HEADS, FLUX_HIDDEN, True
+        for s in ("img", "txt"):
+            setattr(self, f"{s}_mod", Modulation(FLUX_HIDDEN, True))
+            setattr(self, f"{s}_norm1", _layer_norm(FLUX_HIDDEN))
+            setattr(self, f"{s}_attn", SelfAttention(FLUX_HIDDEN))
+            setattr(self, f"{s}_norm2", _layer_norm(FLUX_HIDDEN))
+            setattr(self, f"{s}_mlp", torch.nn.Sequential(torch.nn.Linear(FLUX_HIDDEN, 2 * FLUX_HIDDEN),
+                                                          torch.nn.GELU(approximate="tanh"),
+                                                          torch.nn.Linear(2 * FLUX_HIDDEN, FLUX_HIDDEN)))
+
+    def forward(self, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None, modulation_dims_txt=None,
+                transformer_options={}):
+        img_mod1, img_mod2 = self.img_mod(vec)
+        txt_mod1, txt_mod2 = self.txt_mod(vec)
+        img_qkv = self.img_attn.qkv(apply_mod(self.img_norm1(img), (1 + img_mod1.scale), img_mod1.shift))
+        img_q, img_k, img_v = img_qkv.view(img_qkv.shape[0], img_qkv.shape[1], 3, self.num_heads, -1).permute(
+            2, 0, 3, 1, 4)
+        img_q, img_k = self.img_attn.norm(img_q, img_k, img_v)
+        txt_qkv = self.txt_attn.qkv(apply_mod(self.txt_norm1(txt), (1 + txt_mod1.scale), txt_mod1.shift))
+        txt_q, txt_k, txt_v = txt_qkv.view(txt_qkv.shape[0], txt_qkv.shape[1], 3, self.num_heads, -1).permute(
+            2, 0, 3, 1, 4)
+        txt_q, txt_k = self.txt_attn.norm(txt_q, txt_k, txt_v)
+        attn = attention(torch.cat((txt_q, img_q), dim=2), torch.cat((txt_k, img_k), dim=2),
+                         torch.cat((txt_v, img_v), dim=2), pe=pe, mask=attn_mask)
+        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1]:]
+        img += apply_mod(self.img_attn.proj(img_attn), img_mod1.gate)
+        img += apply_mod(self.img_mlp(apply_mod(self.img_norm2(img), (1 + img_mod2.scale), img_mod2.shift)),
+                         img_mod2.gate)
+        txt += apply_mod(self.txt_attn.proj(txt_attn), txt_mod1.gate)
+        txt += apply_mod(self.txt_mlp(apply_mod(self.txt_norm2(txt), (1 + txt_mod2.scale), txt_mod2.shift)),
+                         txt_mod2.gate)
+        return img, txt
+
+
+class SingleStreamBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden_size, self.num_heads = FLUX_HIDDEN, HEADS
+        self.mlp_hidden_dim = self.mlp_hidden_dim_first = 2 * FLUX_HIDDEN
+        self.yak_mlp = False
+        self.mlp_act = torch.nn.GELU(approximate="tanh")
+        self.linear1 = torch.nn.Linear(FLUX_HIDDEN, 3 * FLUX_HIDDEN + self.mlp_hidden_dim)
+        self.linear2 = torch.nn.Linear(FLUX_HIDDEN + self.mlp_hidden_dim, FLUX_HIDDEN)
+        self.norm = QKNorm(HEAD_DIM)
+        self.pre_norm = _layer_norm(FLUX_HIDDEN)
+        self.modulation = Modulation(FLUX_HIDDEN, False)
+
+    def forward(self, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):
+        mod, _ = self.modulation(vec)
+        qkv, mlp = torch.split(self.linear1(apply_mod(self.pre_norm(x), (1 + mod.scale), mod.shift, modulation_dims)),
+                               [3 * self.hidden_size, self.mlp_hidden_dim_first], dim=-1)
+        q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = self.norm(q, k, v)
+        attn = attention(q, k, v, pe=pe, mask=attn_mask, transformer_options=transformer_options)
+        output = self.linear2(torch.cat((attn, self.mlp_act(mlp)), 2))
+        x += apply_mod(output, mod.gate, None, modulation_dims)
+        return x
+
+
+for _cls in (DoubleStreamBlock, SingleStreamBlock):
+    _cls.__module__ = pfn.FLUX_MODULE
+
+
+class FluxModel(torch.nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(3)
+        self.double_blocks = torch.nn.ModuleList([DoubleStreamBlock()])
+        self.single_blocks = torch.nn.ModuleList([SingleStreamBlock(), SingleStreamBlock()])
+        self.to(dtype)
+
+
+def flux_call(dtype=torch.float32, batch=1, img_tokens=7, txt_tokens=3):
+    g = torch.Generator().manual_seed(4)
+    img = (torch.randn(batch, img_tokens, FLUX_HIDDEN, generator=g) * 2).to(dtype)
+    img[..., 5] *= 20  # an outlier channel, as DiT activations have
+    txt = (torch.randn(batch, txt_tokens, FLUX_HIDDEN, generator=g) * 2).to(dtype)
+    return dict(img=img, txt=txt, vec=torch.randn(batch, FLUX_HIDDEN, generator=g).to(dtype), pe=None)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_flux_blocks_are_patched_served_and_match(dtype, qk_norms_on):
+    """Both block kinds patched (and the four QKNorms inside them, which this fake patcher does
+    not install: ComfyUI's does, tests/integration); each call matches ComfyUI's forward (bf16: to a rounding: the kernels round where ComfyUI rounds); the checked first call
+    returns ComfyUI's output although that forward adds into its inputs; ours never writes into
+    the caller's tensors."""
+    model = FluxModel(dtype)
+    patcher = FakePatcher(model)
+    assert pfn.patch_fused_norms(patcher, "Flux #test") == 3 + 4
+    double = patcher.object_patches["diffusion_model.double_blocks.0.forward"]
+    single = patcher.object_patches["diffusion_model.single_blocks.1.forward"]
+    assert isinstance(double, pfn.FusedFluxDoubleBlock) and isinstance(single, pfn.FusedFluxSingleBlock)
+    call = flux_call(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 0.0
+    for _ in range(2):  # the checked call, then a served one
+        inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in call.items()}
+        ref_in = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in call.items()}
+        ref = model.double_blocks[0].forward(**ref_in)
+        out = double(**inputs)
+        assert all(_rel(a, b) <= tol for a, b in zip(out, ref)), [_rel(a, b) for a, b in zip(out, ref)]
+        x = torch.cat((call["txt"], call["img"]), 1)
+        ref1 = model.single_blocks[1].forward(x.clone(), vec=call["vec"], pe=None)
+        out1 = single(x, vec=call["vec"], pe=None)
+        assert _rel(out1, ref1) <= tol
+    assert torch.equal(x, torch.cat((call["txt"], call["img"]), 1)), "the served call wrote into its input"
+    assert torch.equal(inputs["img"], call["img"]) and torch.equal(inputs["txt"], call["txt"])
+    norms = _norms()
+    assert norms["paths"] == {pfn.PATH_FLUX: 4} and norms["handed_back"] == 0, norms
+    assert double.guarded == {"cpu"} and single.guarded == {"cpu"}
+
+
+def test_flux_blocks_only_in_mode_all(monkeypatch):
+    monkeypatch.setenv("TRITON_ACCEL_FUSED_NORMS", "qk")
+    patcher = FakePatcher(FluxModel())
+    assert pfn.patch_fused_norms(patcher, "Flux #test") == 4  # the QKNorms only
+    assert not any(isinstance(p, pfn._FusedFluxBlock) for p in patcher.object_patches.values())
+
+
+def test_flux_calls_it_cannot_serve_go_to_comfyui(qk_norms_on):
+    model = FluxModel()
+    patcher = FakePatcher(model)
+    pfn.patch_fused_norms(patcher, "Flux #test")
+    single = patcher.object_patches["diffusion_model.single_blocks.0.forward"]
+    double = patcher.object_patches["diffusion_model.double_blocks.0.forward"]
+    call = flux_call()
+    x = torch.cat((call["txt"], call["img"]), 1)
+    patches = {"patches": {"attn1_output_patch": [lambda attn, extra: attn]}}
+    single(x.clone(), vec=call["vec"], pe=None, transformer_options=patches)
+    double(**call, transformer_options={"patches": {"attn1_patch": []}})
+    single(x.clone(), vec=call["vec"], pe=None, modulation_dims=[(0, 2, 0)])
+    with pytest.raises(TypeError):  # ComfyUI's forward gets the odd call, and rejects it too
+        single(x.clone())
+    reasons = _norms()["reasons"]
+    assert reasons == {pfn.REASON_PATCHES: 2, "per-token modulation (modulation_dims) stays ComfyUI's": 1,
+                       "arguments: x, vec, pe are required": 1}, reasons
+    assert _norms()["served"] == 0
+
+
+def test_flux_linears_read_the_norm_kernels_fp8_rows(monkeypatch, qk_norms_on):
+    """The Linear after each fused norm runs inside quantize_once(h, rows): the single block's
+    linear1, the double block's qkv and first MLP Linear per stream, with the rows the norm
+    kernel wrote, bit for bit the FP8 Linear's own quantisation of h."""
+    from triton_accel.kernels import linear_fp8
+
+    scopes, inside = _recording_scopes(monkeypatch, used=1)
+    model = FluxModel()
+    patcher = FakePatcher(model)
+    pfn.patch_fused_norms(patcher, "Flux #test")
+    block, single = model.double_blocks[0], model.single_blocks[0]
+    modules = {"img_qkv": block.img_attn.qkv, "txt_qkv": block.txt_attn.qkv, "img_mlp0": block.img_mlp[0],
+               "txt_mlp0": block.txt_mlp[0], "img_proj": block.img_attn.proj, "linear1": single.linear1,
+               "linear2": single.linear2}
+    seen = {}
+    for name, module in modules.items():
+        module.register_forward_hook(
+            (lambda name: lambda m, args, out: seen.setdefault(name, []).append((args[0], bool(inside))))(name))
+    call = flux_call()
+    for _ in range(2):
+        seen.clear()
+        scopes.clear()
+        img, txt = patcher.object_patches["diffusion_model.double_blocks.0.forward"](**call)
+        patcher.object_patches["diffusion_model.single_blocks.0.forward"](torch.cat((txt, img), 1), vec=call["vec"],
+                                                                          pe=None)
+    assert len(scopes) == 5
+    for (x, rows), name in zip(scopes, ("img_qkv", "txt_qkv", "img_mlp0", "txt_mlp0", "linear1")):
+        (read, scoped), = seen[name]
+        assert scoped and read is x, name
+        q, scales = linear_fp8.quantize_activation(x.reshape(-1, FLUX_HIDDEN))
+        assert torch.equal(rows[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows[1], scales), name
+    assert not seen["img_proj"][0][1] and not seen["linear2"][0][1]
+
+
+def test_flux_block_guard_sends_a_disagreeing_block_back(qk_norms_on):
+    patcher = FakePatcher(FluxModel())
+    pfn.patch_fused_norms(patcher, "Flux #test")
+    single = patcher.object_patches["diffusion_model.single_blocks.0.forward"]
+    original = single.previous
+    single.previous = lambda *a, **k: original(*a, **k) * 1.05
+    call = flux_call()
+    x = torch.cat((call["txt"], call["img"]), 1)
+    single(x.clone(), vec=call["vec"], pe=None)
+    assert "rel. L2" in single.fallbacks["cpu"]
+    # one check covers every single block of the model (one Guard per block kind)
+    other = patcher.object_patches["diffusion_model.single_blocks.1.forward"]
+    assert other.fallbacks is single.fallbacks
+    other(x.clone(), vec=call["vec"], pe=None)
+    assert _norms()["reasons"][pfn.REASON_FALLBACK] == 2
+
+
+def test_other_flux_blocks_are_left_alone():
+    class KontextDouble(DoubleStreamBlock):  # a subclass with its own forward: never patched
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    block = DoubleStreamBlock()
+    block.flipped_img_txt = True
+    assert "flipped" in pfn.fusable_flux_block(block)
+    affine = SingleStreamBlock()
+    affine.pre_norm = torch.nn.LayerNorm(FLUX_HIDDEN)
+    assert "pre_norm" in pfn.fusable_flux_block(affine)
+    assert "not ComfyUI's flux" in pfn.fusable_flux_block(KontextDouble())
+    assert pfn.fusable_flux_block(SingleStreamBlock()) is None and pfn.fusable_flux_block(DoubleStreamBlock()) is None
+
+
+def test_no_rows_for_a_linear_that_hands_the_stream_back():
+    """A Linear carrying our Linear patch (ComfyUI installs it as the module's own forward) with
+    min_tokens above the stream's token count never reads rows: none are made for it (Flux's
+    512-token text stream under min_tokens 1024); any other module may read them."""
+    from triton_accel.nodes import patch_linear as pl
+
+    linear = torch.nn.Linear(8, 8)
+    x = torch.randn(1, 7, 8)
+    assert pfn._may_read_rows(linear, x)
+    layer = pl.LinearLayer.__new__(pl.LinearLayer)
+    layer.state = types.SimpleNamespace(min_tokens=8)
+    linear.forward = layer
+    assert not pfn._may_read_rows(linear, x)
+    layer.state.min_tokens = 7
+    assert pfn._may_read_rows(linear, x)
+    patch = pfn.FusedFluxSingleBlock("Flux #test", "single_blocks.0", SingleStreamBlock(), None)
+    layer.state.min_tokens = 8
+    assert not patch._wants_rows("linear1", True, linear, x) and patch._wants_rows("linear1", True)

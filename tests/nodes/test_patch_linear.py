@@ -1257,3 +1257,56 @@ def test_calls_inside_a_cuda_graph_capture_go_to_comfyui(monkeypatch):
     with torch.no_grad():
         layer(torch.randn(2, 64, 32))
     assert len(calls) == 1 and _linear_stats()["reasons"] == {pl.REASON_CAPTURING: 1}
+
+
+@pytest.mark.parametrize("change", ["none", "weight_object", "weight_in_place_new_storage", "weights_token",
+                                    "weight_function", "few_tokens", "fallback", "extension_generation",
+                                    "autograd", "input_dtype", "entry_dropped"])
+def test_steady_calls_skip_the_checks_until_what_they_read_changes(monkeypatch, change):
+    """After a served call on a guarded entry, the next calls of that layer take the steady path
+    (no entry_for) while everything entry_for read is unchanged; any change sends the call
+    through the checked path, which serves or hands back as it always did."""
+    layer, calls = _layer(settings=FORCED["fp8"])
+    state, module = layer.state, layer.module
+    checked = []
+    real = state.entry_for
+    monkeypatch.setattr(state, "entry_for", lambda *a, **k: checked.append(1) or real(*a, **k))
+    x = torch.randn(2, 8, 32)
+    layer(x), layer(x)  # the guard's call, then a served one that remembers the steady facts
+    assert len(checked) == 2 and layer._steady is not None
+    ref = layer(x)
+    assert len(checked) == 2 and _linear_stats()["served"] == 3
+    assert _rel_l2(ref, torch.nn.functional.linear(x, module.weight, module.bias)) < 0.05
+    if change == "weight_object":
+        module.weight = torch.nn.Parameter(module.weight.detach().clone() * 2)
+    elif change == "weight_in_place_new_storage":
+        module.weight.data = module.weight.data.clone()
+    elif change == "weights_token":
+        state.weights_token = "another patches_uuid"
+    elif change == "weight_function":
+        module.weight_function = [lambda w: w * 2]
+    elif change == "few_tokens":
+        x = torch.randn(1, 2, 32)
+    elif change == "fallback":
+        layer.fallbacks["cuda:0"] = "quality guard (fp8): on another device"
+    elif change == "extension_generation":
+        monkeypatch.setattr(pl.extensions, "generation", lambda: -7)
+    elif change == "autograd":
+        x = x.clone().requires_grad_(True)
+    elif change == "input_dtype":
+        x = x.to(torch.bfloat16)
+    elif change == "entry_dropped":
+        layer.entries.clear()
+    before = len(calls)
+    if change == "autograd":
+        with torch.enable_grad():
+            out = layer(x)
+    else:
+        out = layer(x)
+    assert len(checked) == (2 if change == "none" else 3), change
+    # ComfyUI's Linear runs for a call handed back, and beside ours where the checked path
+    # found a new weight version (the guard runs again)
+    comfy_ran = change in ("weight_function", "few_tokens", "autograd", "weight_object",
+                           "weight_in_place_new_storage", "weights_token", "entry_dropped")
+    assert len(calls) == before + comfy_ran, change
+    assert out.shape == (*x.shape[:-1], 48)

@@ -181,8 +181,9 @@ class TritonAccelTestAttentionProbe:
 
 
 class TritonAccelTestFusedNorms:
-    """One of the pack's patch nodes run with TRITON_ACCEL_FUSED_NORMS=fused_norms (all: Wan
-    blocks and Flux-layer QKNorms; blocks: the default; off: none; the variable is read when
+    """One of the pack's patch nodes run with TRITON_ACCEL_FUSED_NORMS=fused_norms (all, the
+    default: Wan blocks, Flux-layer QKNorms and blocks; qk: no Flux-layer blocks; blocks: Wan
+    blocks only; off: none; the variable is read when
     the node patches), optionally with a pass-through attn1 patch of "another node" added
     first (calls carrying one must go to ComfyUI's block forward)."""
 
@@ -191,7 +192,7 @@ class TritonAccelTestFusedNorms:
         return {"required": {"model": ("MODEL",),
                              "node": (["TritonAccelPatchAttention", "TritonAccelPatch"],),
                              "attn1_patch": ("BOOLEAN", {"default": False}),
-                             "fused_norms": (["all", "blocks", "off"], {"default": "all"})},
+                             "fused_norms": (["all", "qk", "blocks", "off"], {"default": "all"})},
                 "optional": {"settings": ("TRITON_ACCEL_SETTINGS",)}}
 
     RETURN_TYPES = ("MODEL",)
