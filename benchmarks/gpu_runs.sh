@@ -25,8 +25,6 @@
 #   bash benchmarks/gpu_runs.sh s33f        session 33's final code: host µs per call; one profiled Flux step with /
 #                                           without the fused blocks; Flux ABBA; Wan default / ours-all
 #   bash benchmarks/gpu_runs.sh s33g        Flux: three ours-all processes interleaved with two +qk, default at both ends
-#   bash benchmarks/gpu_runs.sh s33b        Wan default / ours-all; one profiled Flux step with / without
-#                                           the fused Flux blocks
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -97,11 +95,6 @@ s33)
     timeout 100 python3 benchmarks/host_overhead.py --calls 200 --rounds 3 --profile 200 --out $R > $R/host.txt 2>&1
     grep -i "bit_equal\|us\b\|per call" $R/host.txt | head -30
     e2e e2e_flux33 330 --models flux --variants default ours-all ours-all+qk ours-all+qk ours-all default --steps 5 ;;
-s33b)
-    export E2E_KPROFILE=/tmp/kprof; mkdir -p /tmp/kprof
-    e2e e2e_wan33 200 --models wan --variants default ours-all --steps 3
-    e2e e2e_flux33b 200 --models flux --variants ours-all ours-all+qk --steps 3
-    tar czf $R/kprof.tgz -C /tmp kprof; grep -h "device total\|timeline" /tmp/kprof/*.txt ;;
 s33d)
     export E2E_KPROFILE=/tmp/kprof; mkdir -p /tmp/kprof
     e2e e2e_flux33d 150 --models flux --variants ours-all+qk ours-all --steps 3
@@ -131,5 +124,5 @@ s33c)
     E2E_CPROFILE=/tmp/cprof e2e e2e_flux33c 330 --models flux --variants default ours-all ours-all+qk ours-all+qk \
         ours-all default --steps 5
     tar czf $R/cprof.tgz -C /tmp cprof; head -3 /tmp/cprof/*.txt ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33b-s33g"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g"; exit 2 ;;
 esac
