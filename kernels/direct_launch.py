@@ -168,9 +168,9 @@ class SiteMemo:
         self.entries: dict = {}
         cache_registry.register(f"kernels.direct_launch.memo.{name}", self.entries.clear)
 
-    def get(self, fingerprint, t: torch.Tensor):
+    def get(self, fingerprint):
         """The remembered (plan, layout...) for this fingerprint, where direct launches may run
-        on t's device now; else None."""
+        now (on and not inside a stream capture); else None."""
         hit = self.entries.get(fingerprint)
         return hit if hit is not None and ENABLED and not torch.cuda.is_current_stream_capturing() else None
 

@@ -118,18 +118,15 @@ def _launch(x, y, gate, eps: float, weight, bias, norm: bool, fp8_rows: bool = F
                        y.data_ptr() % 16,
                        None if gate is None else (gate.dtype, gate.shape, gate.stride(), gate.data_ptr() % 16),
                        norm, fp8_rows, round_product)
-        hit = _memo.get(fingerprint, x)
+        hit = _memo.get(fingerprint)
         if hit is not None:
             return _launch_remembered(hit, x, y, gate, eps, norm, fp8_rows)
     batch, tokens, channels = _check(x, y, weight, bias)
     gate2 = None if gate is None else batch_vector(gate, "gate", x, batch, channels, GatedResidualInputError)
     x2d, y2d = rows_2d(x, channels), rows_2d(y, channels)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if norm else None
     rows = x2d.shape[0]
-    outs = [out] if normed is None else [out, normed]
-    if fp8_rows:
-        outs += fp8_row_outputs(rows, channels, x.device)
+    outs = _outputs(x, norm, fp8_rows, rows, channels)
+    out, normed = outs[0], (outs[1] if norm else None)
     if rows == 0:
         return outs
     block_c = next_pow2(channels, 1)
@@ -152,15 +149,19 @@ def _launch(x, y, gate, eps: float, weight, bias, norm: bool, fp8_rows: bool = F
     return outs
 
 
+def _outputs(x, norm: bool, fp8_rows: bool, rows: int, channels: int) -> list[torch.Tensor]:
+    """The kernel's outputs, as _launch returns them: [x + y * gate, its norm where asked, then
+    the norm's e4m3 rows and scales where fp8_rows (only with the norm)]."""
+    outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2 if norm else 1)]
+    return outs + fp8_row_outputs(rows, channels, x.device) if fp8_rows else outs
+
+
 def _launch_remembered(hit: tuple, x, y, gate, eps: float, norm: bool, fp8_rows: bool) -> list[torch.Tensor]:
     """_launch for a fingerprint it served before: the same arguments, read off the remembered
     layout (x, y and the gate are the tensors the kernel read then, taken by data pointer)."""
     plan, index, tokens, channels, rows, stride_xm, stride_ym, stride_gb = hit
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if norm else None
-    outs = [out] if normed is None else [out, normed]
-    if fp8_rows:
-        outs += fp8_row_outputs(rows, channels, x.device)
+    outs = _outputs(x, norm, fp8_rows, rows, channels)
+    out, normed = outs[0], (outs[1] if norm else None)
     q, qs = (outs[-2], outs[-1]) if fp8_rows else (out, out)
     direct_launch.launch(plan, index, (x, y, x if gate is None else gate, x, x, out, out if normed is None else normed,
                                        q, qs, tokens, channels, stride_xm, stride_ym, channels, stride_gb, float(eps)))
@@ -282,5 +283,5 @@ def compile_specs(dtype: str = "bf16", channels: int = 5120, norm: bool = True, 
     return [(_gated_residual_norm, sig, const, attrs, dict(num_warps=row_warps(block_c), num_stages=1))]
 
 
-__all__ = ["gated_residual", "gated_residual_layer_norm", "gated_residual_layer_norm_rows", "gated_residual_norm_ref", "refusal",
-           "GatedResidualInputError", "OP_QUALNAME", "MAX_CHANNELS", "compile_specs"]
+__all__ = ["gated_residual", "gated_residual_layer_norm", "gated_residual_layer_norm_rows", "gated_residual_norm_ref",
+           "refusal", "GatedResidualInputError", "OP_QUALNAME", "MAX_CHANNELS", "compile_specs"]

@@ -216,32 +216,36 @@ if triton is not None:
         return y
 
     @triton.jit
+    def round_bits(y, DROPPED: tl.constexpr):
+        # fp32 y rounded to nearest even on its bits, the low DROPPED mantissa bits cleared
+        # (16: bf16's precision, 13: fp16's), still fp32. Finite values only.
+        bits = y.to(tl.uint32, bitcast=True)
+        half = (1 << (DROPPED - 1)) - 1
+        bits = (bits + half + ((bits >> DROPPED) & 1)) & (0xFFFFFFFF ^ ((1 << DROPPED) - 1))
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def to_output_dtype(y, DTYPE: tl.constexpr, EXACT_BF16: tl.constexpr):
         # fp32 -> DTYPE, rounding to nearest even. GPUs' cvt.rn does; the Triton interpreter
         # truncates fp32 -> bf16 (half of all values land one ulp low), so under it
         # (EXACT_BF16) the value is rounded on its bits first and the cast becomes exact.
         # Finite values only: what the normalisation kernels produce from finite inputs.
         if EXACT_BF16:
-            bits = y.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            y = bits.to(tl.float32, bitcast=True)
+            y = round_bits(y, 16)
         return y.to(DTYPE)
-
 
     @triton.jit
     def round_unfused(y, DTYPE: tl.constexpr):
         # y rounded to DTYPE's precision, kept in fp32, for a product ComfyUI stores as a
         # tensor before adding it (Flux's `x += y * gate`: two roundings). A plain
         # y.to(DTYPE).to(fp32) before the add is folded by the compiler into one bf16/fp16 FMA
-        # (fma.rn.bf16x2, one rounding); rounding on the bits first (to nearest even, finite
-        # values) leaves it no multiply to contract. The cast after is exact for bf16 and
-        # fp16's normal range, and rounds fp16's subnormals and overflow as a cast does.
+        # (fma.rn.bf16x2, one rounding); rounding on the bits first leaves it no multiply to
+        # contract. The cast after is exact for bf16 and fp16's normal range, and rounds
+        # fp16's subnormals and overflow as a cast does.
         if DTYPE == tl.bfloat16:
-            bits = y.to(tl.uint32, bitcast=True)
-            y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            y = round_bits(y, 16)
         elif DTYPE == tl.float16:
-            bits = y.to(tl.uint32, bitcast=True)
-            y = ((bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
+            y = round_bits(y, 13)
         return y.to(DTYPE).to(tl.float32)
 
     @triton.jit
@@ -265,9 +269,10 @@ if triton is not None:
     @triton.jit
     def store_fp8_row(q_row, scale_ptr, x, offs, mask, EXACT_CAST: tl.constexpr):
         # The FP8 Linear's per-token activation format (linear_fp8.quantize_activation): e4m3 of
-        # x * 448 / amax(|x|) at q_row + offs, amax / 448 at scale_ptr. x: the row as the Linear would read it (fp32 of the rounded 16-bit values),
-        # 0 on masked lanes. One definition, so a norm kernel that emits these rows gives the
-        # GEMM the very bits the separate quantisation would.
+        # x * 448 / amax(|x|) at q_row + offs, amax / 448 at scale_ptr. x: the row as the Linear
+        # would read it (fp32 of the rounded 16-bit values), 0 on masked lanes. One definition,
+        # so a norm kernel that emits these rows gives the GEMM the very bits the separate
+        # quantisation would.
         amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-12)
         inv = tl.math.div_rn(448.0, amax)  # correctly rounded: Triton's '/' is approximate
         # The clamp keeps a rounding of x * inv just above 448 from overflowing e4m3.

@@ -124,7 +124,7 @@ def _launch(x, shift, scale, eps: float, weight, bias, residual=None, fp8_rows: 
     fingerprint = None
     if weight is None and x.is_cuda:
         fingerprint = _fingerprint(x, shift, scale, residual, gate, fp8_rows, round_product)
-        hit = _memo.get(fingerprint, x)
+        hit = _memo.get(fingerprint)
         if hit is not None:
             return _launch_remembered(hit, x, shift, scale, eps, residual, fp8_rows, gate)
     batch, tokens, channels = _check(x, weight, bias)
@@ -143,13 +143,9 @@ def _launch(x, shift, scale, eps: float, weight, bias, residual=None, fp8_rows: 
                           scale2.expand(max(shift2.shape[0], scale2.shape[0]), channels).contiguous())
     x2d = rows_2d(x, channels)
     r2d = x2d if residual is None else rows_2d(residual, channels)  # never read without HAS_RESIDUAL
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    outs = [out]
-    if residual is not None:
-        outs.insert(0, torch.empty(x.shape, dtype=x.dtype, device=x.device))
     rows = x2d.shape[0]
-    if fp8_rows:
-        outs += fp8_row_outputs(rows, channels, x.device)
+    outs = _outputs(x, residual is not None, fp8_rows, rows, channels)
+    out = outs[1 if residual is not None else 0]
     if rows == 0:
         return outs
     block_c = next_pow2(channels, 1)
@@ -175,17 +171,20 @@ def _launch(x, shift, scale, eps: float, weight, bias, residual=None, fp8_rows: 
     return outs
 
 
+def _outputs(x, residual: bool, fp8_rows: bool, rows: int, channels: int) -> list[torch.Tensor]:
+    """The kernel's outputs, as _launch returns them: [the residual stream where there is a
+    residual, the modulated norm, then its e4m3 rows and scales where fp8_rows]."""
+    outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2 if residual else 1)]
+    return outs + fp8_row_outputs(rows, channels, x.device) if fp8_rows else outs
+
+
 def _launch_remembered(hit: tuple, x, shift, scale, eps: float, residual, fp8_rows: bool, gate) -> list[torch.Tensor]:
     """_launch for a fingerprint it served before: the same arguments, read off the remembered
     layout (x, the residual, shift, scale and gate are the tensors the kernel read then; the
     kernel takes any tensor by its data pointer)."""
     plan, index, tokens, channels, rows, stride_xm, stride_rm, stride_mb, stride_gb = hit
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    outs = [out]
-    if residual is not None:
-        outs.insert(0, torch.empty(x.shape, dtype=x.dtype, device=x.device))
-    if fp8_rows:
-        outs += fp8_row_outputs(rows, channels, x.device)
+    outs = _outputs(x, residual is not None, fp8_rows, rows, channels)
+    out = outs[1 if residual is not None else 0]
     q, qs = (outs[-2], outs[-1]) if fp8_rows else (out, out)
     direct_launch.launch(plan, index, (x, x if residual is None else residual, shift if gate is None else gate, shift,
                                        scale, x, x, outs[0], out, q, qs, tokens, channels, stride_xm, stride_rm,

@@ -113,7 +113,7 @@ def _launch(q, k, q_weight, k_weight, eps: float):
                        k.stride(), k.data_ptr() % 16, q_weight.device, q_weight.dtype, q_weight.shape,
                        q_weight.data_ptr() % 16, k_weight.device, k_weight.dtype, k_weight.shape,
                        k_weight.data_ptr() % 16)
-        hit = _memo.get(fingerprint, q)
+        hit = _memo.get(fingerprint)
         if hit is not None:
             plan, index, rows, heads, length = hit
             qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)

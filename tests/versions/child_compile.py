@@ -208,6 +208,12 @@ def main():
                 for fn, sig, constexprs, attrs, opts in module.compile_specs(dtype="bf16", **kwargs):
                     build(name, "fused_norms", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
                           (fn, sig, constexprs, attrs), opts, target)
+            # Flux's blocks: the gated residual whose product is rounded on its bits first.
+            for module, kwargs in ((kernel("layer_norm_modulate"), {"channels": 3072, "residual": True, "gate": True}),
+                                   (kernel("gated_residual_norm"), {"channels": 3072, "norm": False})):
+                for fn, sig, constexprs, attrs, opts in module.compile_specs(dtype="bf16", round_product=True, **kwargs):
+                    build(name, "fused_norms_flux", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
+                          (fn, sig, constexprs, attrs), opts, target)
         # The norm kernels with the FP8 Linear's e4m3 rows (sm_89+, where that Linear runs).
         if name in ("sm89", "sm90"):
             for module, kwargs in ((kernel("layer_norm_modulate"), {"residual": True}), (kernel("gated_residual_norm"), {})):

@@ -117,6 +117,8 @@ def test_kernels_compile_where_the_registry_serves(matrix, minor, target):
     if target in ("sm86", "gfx1100"):  # child_compile.FUSED_NORM_TARGETS (that module reads argv at import)
         assert {c["case"] for c in wanted if c["kernel"] == "fused_norms"} == {
             "_rms_norm_rope", "_layer_norm_modulate", "_qk_rms_norm", "_gated_residual_norm"}, cases
+        assert {c["case"] for c in wanted if c["kernel"] == "fused_norms_flux"} == {
+            "_layer_norm_modulate", "_gated_residual_norm"}, cases
     failed = [f"{c['kernel']} {c['case']}: {c['error']}" for c in wanted if not c["ok"]]
     if failed and all(LLD_MISSING in f for f in failed):
         # Triton <= 3.4 links AMD code objects with ROCm's ld.lld, which its wheel does not
