@@ -413,6 +413,10 @@ COMPILED_SUFFIX = "+compile"
 GLUON_VARIANT_SUFFIXES = ("lean", "classic", "lean_rowsum")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
 # +norms / +blocks / +nonorms: TRITON_ACCEL_FUSED_NORMS=all / blocks / off (unset otherwise: the pack's default)
 NORMS_SUFFIXES = {"norms": "all", "nonorms": "off", "blocks": "blocks", "qk": "qk"}
+# +graph: TRITON_ACCEL_STEP_GRAPH=1 (step graphs on); +nograph: 0 (every step eager, the default).
+GRAPH_SUFFIXES = {"graph": "1", "nograph": "0"}
+# Calls before the timed steps where step graphs are on: two warm up, the third is recorded.
+GRAPH_WARMUP = 3
 
 
 def dynamo_summary() -> dict:
@@ -471,7 +475,8 @@ def split_variant(variant: str) -> tuple[str, str | None, bool]:
     """(the variant without suffixes, its Gluon loop variant or None, whether +compile)."""
     parts = variant.split("+")
     gluon = next((p for p in parts[1:] if p in GLUON_VARIANT_SUFFIXES), None)
-    rest = [p for p in parts[1:] if p not in GLUON_VARIANT_SUFFIXES and p != "compile" and p not in NORMS_SUFFIXES]
+    rest = [p for p in parts[1:] if p not in GLUON_VARIANT_SUFFIXES and p != "compile" and p not in NORMS_SUFFIXES
+            and p not in GRAPH_SUFFIXES]
     return "+".join([parts[0], *rest]), gluon, "compile" in parts[1:]
 
 
@@ -481,29 +486,10 @@ def base_variant(variant: str) -> str:
 
 
 @contextlib.contextmanager
-def gluon_variant(value):
-    """TRITON_ACCEL_GLUON_VARIANT=value (None: unset) while a variant runs; the kernels read it
-    per call, so variants of one process do not leak into each other."""
-    name = "TRITON_ACCEL_GLUON_VARIANT"
-    before = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-@contextlib.contextmanager
-def fused_norms(value: str | None):
-    """TRITON_ACCEL_FUSED_NORMS=value (None: unset) while a variant is patched and run (read at
-    patch time)."""
-    name = "TRITON_ACCEL_FUSED_NORMS"
+def env_setting(name: str, value: str | None):
+    """Environment variable `name` = value (None: unset) while a variant is patched and run, then
+    as it was: the pack reads these per call or at patch time, so variants of one process do not
+    leak into each other."""
     before = os.environ.pop(name, None)
     if value is not None:
         os.environ[name] = value
@@ -515,10 +501,26 @@ def fused_norms(value: str | None):
             os.environ[name] = before
 
 
+def gluon_variant(value: str | None):
+    """TRITON_ACCEL_GLUON_VARIANT (read per call)."""
+    return env_setting("TRITON_ACCEL_GLUON_VARIANT", value)
+
+
+def fused_norms(value: str | None):
+    """TRITON_ACCEL_FUSED_NORMS (read at patch time)."""
+    return env_setting("TRITON_ACCEL_FUSED_NORMS", value)
+
+
+def step_graph_setting(value: str | None):
+    """TRITON_ACCEL_STEP_GRAPH (None: unset, the default: off; read per call)."""
+    return env_setting("TRITON_ACCEL_STEP_GRAPH", value)
+
+
 def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False):
     base_name, gluon, compiled = split_variant(variant)
     norms = next((NORMS_SUFFIXES[p] for p in variant.split("+")[1:] if p in NORMS_SUFFIXES), None)
-    with gluon_variant(gluon), fused_norms(norms):
+    graph = next((GRAPH_SUFFIXES[p] for p in variant.split("+")[1:] if p in GRAPH_SUFFIXES), None)
+    with gluon_variant(gluon), fused_norms(norms), step_graph_setting(graph):
         row = run_variant_uncompiled(name, base_name, base, x, t, context, kwargs, steps, device, ref,
                                      dynamic_vram, compiled=compiled, tag=variant)
     row["variant"] = variant
@@ -576,7 +578,8 @@ def run_variant_uncompiled(name, variant, base, x, t, context, kwargs, steps, de
         comfy.model_management.load_models_gpu([patcher], force_full_load=True)
         with ctx:
             ms, out, first_ms = time_steps(step_fn(patcher, x, t, context, kwargs), steps, device,
-                                           warmup=COMPILE_WARMUP if compiled else 1)
+                                           warmup=COMPILE_WARMUP if compiled else
+                                           GRAPH_WARMUP if variant in OURS and not compiled else 1)
             if os.environ.get("E2E_KPROFILE") and device.type == "cuda":
                 kernel_profile_step(step_fn(patcher, x, t, context, kwargs), Path(os.environ["E2E_KPROFILE"]),
                                     f"{name}_{tag or variant}{'_dynamic' if dynamic_vram else ''}")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 _clearers: dict[str, Callable[[], None]] = {}
 _lock = threading.Lock()
+_generation = 0  # clears so far: what was recorded from a cache is stale once it moves
 
 
 def register(name: str, clear: Callable[[], None]) -> None:
@@ -26,8 +27,15 @@ def names() -> list[str]:
         return sorted(_clearers)
 
 
+def generation() -> int:
+    """How many times clear_all() ran (a CUDA graph that read a cache's tensors is stale after)."""
+    return _generation
+
+
 def clear_all() -> None:
+    global _generation
     with _lock:
         clearers = list(_clearers.values())
+        _generation += 1
     for clear in clearers:
         clear()

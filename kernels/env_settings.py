@@ -30,6 +30,7 @@ GLUON = "TRITON_ACCEL_GLUON"
 GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
 GLUON_VARIANTS = ("default", "lean", "classic", "lean_rowsum")
 FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
+STEP_GRAPH = "TRITON_ACCEL_STEP_GRAPH"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 
@@ -76,7 +77,15 @@ SETTINGS = (
             "add), q/k RMSNorm + RoPE, gated residual + LayerNorm, one pass each, the last gated "
             "residual vectorised, and on sm_89+ the FP8 Linear's e4m3 input rows written by the "
             "norm passes. Off (any false word): none. The first call of each fused block is "
-            "checked against ComfyUI's."))
+            "checked against ComfyUI's."),
+    Setting(STEP_GRAPH, "off",
+            "On: models patched by the pack record their step as a CUDA graph from the third call "
+            "with the same signature and replay it after (the host's Python then issues one graph "
+            "instead of ~600 launches a Flux step), where nothing else patches or wraps the model, "
+            "the weights stay on the GPU and no ComfyUI hooks change them; the recording is checked "
+            "against the eager call and dropped when the weights change or sampling ends. Off (the "
+            "default until it has run on a GPU: built and tested on the CPU only): every step runs "
+            "eagerly."))
 
 
 def flag(name: str, default: bool) -> bool:
@@ -128,6 +137,12 @@ def fused_norms() -> str:
     if value in FALSE_WORDS:
         return "off"
     return value if value in ("all", "qk") else "blocks"
+
+
+def step_graph_enabled() -> bool:
+    """TRITON_ACCEL_STEP_GRAPH: off when unset (not yet run on a GPU), on for any other word
+    than the false words."""
+    return flag(STEP_GRAPH, False)
 
 
 def user_cache_root() -> str:

@@ -103,13 +103,30 @@ def add_active_model_wrapper(patched, token: int) -> bool:
     return True
 
 
+# True while step_graph records a model call: that recording is replayed only while the weights
+# and our prepared entries it read are unchanged (step_graph checks them per call), so our
+# layers may serve it as they serve an eager call.
+STEP_CAPTURE = False
+
+
 def capturing(t) -> bool:
-    """Whether a CUDA graph is being captured on t's device's current stream (TorchCompileModel's
-    cudagraphs backend, or a node capturing by hand): a replay runs the recorded kernels on the
-    recorded buffers, and none of our Python (weight-version checks, auto's timing) runs again."""
+    """Whether a CUDA graph is being captured on t's device's current stream by someone else
+    (TorchCompileModel's cudagraphs backend, or a node capturing by hand): a replay runs the
+    recorded kernels on the recorded buffers, and none of our Python (weight-version checks,
+    auto's timing) runs again. False inside step_graph's own recording (STEP_CAPTURE)."""
     import torch
 
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    return t.is_cuda and not STEP_CAPTURE and torch.cuda.is_current_stream_capturing()
+
+
+def is_compiling() -> bool:
+    """Whether dynamo is tracing the running code."""
+    import torch
+
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:
+        return False
 
 
 def define(name: str, schema: str, impl, fake) -> None:

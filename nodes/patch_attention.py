@@ -21,7 +21,7 @@ import torch
 from .. import __version__ as PACK_VERSION
 from .. import kernels
 from ..kernels import env_settings, extensions
-from . import call_stats, compiled_ops, patch_fused_norms
+from . import call_stats, compiled_ops, patch_fused_norms, step_graph
 from .device_probe import probe
 from ..kernels.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
 from ..kernels.registry import BackendUnavailableError
@@ -395,6 +395,7 @@ def patch_model(model, settings: AccelSettings | None = None):
     label = call_stats.new_model_label(type(getattr(model, "model", model)).__name__)
     to[OVERRIDE_KEY] = AttentionOverride(settings, previous=to.get(OVERRIDE_KEY), label=label)
     compiled_ops.add_active_model_wrapper(patched, to[OVERRIDE_KEY].token)
+    step_graph.install(patched, label)
     if settings.mode != "off" and patch_fused_norms.enabled():
         patch_fused_norms.patch_fused_norms(patched, label)
     return patched

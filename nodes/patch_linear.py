@@ -55,6 +55,7 @@ How, and why this way:
 """
 from __future__ import annotations
 
+import collections
 import contextvars
 import fnmatch
 import logging
@@ -72,7 +73,7 @@ from ..kernels import extensions
 from ..kernels.gpu_rules import LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY, LINEAR_INT8_W8A8, PATH_PYTORCH
 from ..kernels.linear import PRIORITY as OUR_PRIORITY
 from ..kernels.registry import BackendUnavailableError
-from . import call_stats, compiled_ops
+from . import call_stats, compiled_ops, step_graph
 from .settings import SEARCH_ALIASES as ATTENTION_SEARCH_ALIASES
 from .settings import SETTINGS_TYPE, AccelSettings, default_device, device_key, patched_model_text
 from .speed_choice import LOSSLESS_BAR, comfy_progress_bar
@@ -574,6 +575,7 @@ class LinearLayer:
         reference = self.previous(x)
         failure = guard_failure(out, reference, EXT_GUARD_MAX_REL_L2[extensions.is_lossy(path)])
         with state._lock:
+            state.changes += 1
             if failure is None:
                 self.ext_guarded[(where, path)] = (extensions.generation(), version)
             else:
@@ -720,6 +722,9 @@ class LinearPatchState:
         self.label = label
         self.layers: list[LinearLayer] = []
         self.weights_token = None  # patches_uuid of the weight patches ComfyUI loaded last
+        # Bumped whenever a layer's prepared entry, guard result or fallback changes: a CUDA graph
+        # of the step (step_graph) recorded before is stale.
+        self.changes = 0
         self.interrupt_check = None
         self._refusals: dict[tuple, str | None] = {}
         self._plans: dict[tuple, tuple | None] = {}
@@ -846,6 +851,7 @@ class LinearPatchState:
                 return
             started = time.perf_counter()
             bar = comfy_progress_bar(len(stale))
+            self.changes += 1
             for done, (layer, method, key) in enumerate(stale, 1):
                 layer.entries[str(device)] = self._prepare_one(layer, method, key)
                 if bar is not None:
@@ -873,6 +879,7 @@ class LinearPatchState:
             call_stats.record(call_stats.OUTCOME_HANDED_BACK, REASON_KERNEL_ERROR, kind=KIND, model=self.label)
             return reference
         entry.guarded = True
+        self.changes += 1
         failure = guard_failure(ours, layer.activated_reference(reference, entry.method),
                                 GUARD_MAX_REL_L2[entry.method])
         if failure is not None:
@@ -884,6 +891,7 @@ class LinearPatchState:
 
     def fall_back(self, layer: LinearLayer, device: torch.device, reason: str) -> None:
         with self._lock:
+            self.changes += 1
             layer.fallbacks[str(device)] = reason
             layer.entries.pop(str(device), None)
         log.warning("Triton Accel Linear: %s on %s goes back to ComfyUI's Linear for good: %s",
@@ -979,6 +987,7 @@ class LinearPatchState:
 
     def release(self) -> None:
         with self._lock:
+            self.changes += 1
             for layer in self.layers:
                 layer.entries.clear()
 
@@ -1310,12 +1319,47 @@ def storage_marks_work() -> bool:
     return _storage_marks[0]
 
 
+# The storages we marked, held until their activation module has read them (at most
+# MAX_HELD_MARKS, oldest dropped first). torch keeps a storage's Python object, and with it the
+# mark, while C++ still holds the storage (PyObject preservation), but not always: in a real
+# ComfyUI server on the CPU, the second step of the first patched prompt after an unpatched one
+# found no mark on the Flux single block's linear1 output (same storage as the mark was set on,
+# a moment before), and the block's GELU ran a second time on activated columns (the latent 2.0e-2
+# from the unpatched one instead of 1.6e-2; tests/integration caught it as prompts that did not
+# repeat). Holding the Python object keeps its attributes, and keeps the storage from being freed
+# and its address reused while a mark names it.
+MAX_HELD_MARKS = 4
+_held_marks: collections.deque = collections.deque(maxlen=MAX_HELD_MARKS)
+_held_marks_lock = threading.Lock()
+
+
 def mark_activated(out: torch.Tensor, first: int, copy: torch.Tensor | None = None) -> None:
     """Mark our kernel's output (contiguous, as the kernel wrote it): columns >= first hold
     GELU(x @ W.T + b), and `copy`, contiguous, holds the same columns."""
     width = out.shape[-1] if out.dim() else 0
     mark = ActivationMark(int(first), out.storage_offset(), out.numel() // max(width, 1), width, copy)
-    setattr(out.untyped_storage(), ACTIVATION_MARK_ATTR, mark)
+    storage = out.untyped_storage()
+    setattr(storage, ACTIVATION_MARK_ATTR, mark)
+    with _held_marks_lock:
+        _held_marks.append(storage)
+
+
+def release_mark(x: torch.Tensor) -> None:
+    """x's storage is read: no longer held for its mark (the tensors using it keep it alive)."""
+    try:
+        storage = x.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return
+    with _held_marks_lock:
+        for i, held in enumerate(_held_marks):
+            if held is storage:
+                del _held_marks[i]
+                return
+
+
+def held_marks() -> int:
+    with _held_marks_lock:
+        return len(_held_marks)
 
 
 def _mark_of(x: torch.Tensor) -> ActivationMark | None:
@@ -1377,6 +1421,7 @@ class FusedActivation(_ModulePatch):
         if (len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor and not _is_compiling()
                 and is_activated(args[0])):
             copy = activated_copy(args[0])
+            release_mark(args[0])
             return args[0] if copy is None else copy
         return self.previous(*args, **kwargs)
 
@@ -1535,6 +1580,7 @@ def patch_linear_model(model, settings: AccelSettings | None = None, skip: str =
     if fuse_activations:
         _fuse_activations(patched, state, copy_activations)
     _add_callbacks(patched, state)
+    step_graph.install(patched, label, state)
     weakref.finalize(patched, state.release)
     patched.triton_accel_linear = state  # for the node's text and tests; clones do not copy it
     skipped = sum(1 for layer in state.layers if layer.skip_reason)

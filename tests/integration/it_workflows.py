@@ -63,13 +63,14 @@ def family_spec(family: str, models: dict | None = None) -> dict:
 
 
 def sampling_workflow(family: str, model_chain=(), probe_cases=(), tag: str = "run", models=None,
-                      weight_dtype: str = "default"):
+                      weight_dtype: str = "default", steps: int | None = None, cfg: float = 1.0):
     """UNETLoader -> model_chain... -> KSampler -> SaveLatent for one family.
 
     model_chain: items (class_type, inputs) applied to the model in order; an input value of
     the form ("settings", {...}) creates a TritonAccelSettings node and links it.
     probe_cases: TritonAccelTestAttentionProbe nodes run on the final model.
     weight_dtype: UNETLoader's (e.g. "fp8_e4m3fn": the weights stored as FP8, upcast per call).
+    steps / cfg: KSampler's (default STEPS, 1.0: one model call a step).
     Returns (prompt, save_node_id, probe_node_ids).
     """
     spec = family_spec(family, models)
@@ -85,7 +86,7 @@ def sampling_workflow(family: str, model_chain=(), probe_cases=(), tag: str = "r
               for i, c in enumerate(probe_cases)]
     cond = wf.add("TritonAccelTestConditioning", seed=7, **spec["cond"])
     latent = wf.add("TritonAccelTestEmptyLatent", **spec["latent"])
-    sampler = wf.add("KSampler", model=wf.link(model), seed=SEED, steps=STEPS, cfg=1.0,
+    sampler = wf.add("KSampler", model=wf.link(model), seed=SEED, steps=steps or STEPS, cfg=cfg,
                      sampler_name="euler", scheduler="simple", positive=wf.link(cond),
                      negative=wf.link(cond), latent_image=wf.link(latent), denoise=1.0)
     save = wf.add("SaveLatent", samples=wf.link(sampler),

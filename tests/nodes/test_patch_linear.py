@@ -1206,6 +1206,27 @@ def _check_marks_follow_views():
     assert pl.activated_copy(qkv) is None and pl.activated_copy(mlp[..., 8:]) is None
 
 
+def test_marked_storages_are_held_until_their_activation_reads_them():
+    """A marked output's storage (its Python object, which carries the mark) is held until
+    FusedActivation reads it, at most MAX_HELD_MARKS of them: a ComfyUI server once lost the
+    mark of a storage nobody else held from Python, and the single block's GELU ran twice."""
+    pl._held_marks.clear()
+    with torch.inference_mode():
+        outs = [torch.randn(2, 3, 40) for _ in range(pl.MAX_HELD_MARKS + 2)]
+        for out in outs:
+            pl.mark_activated(out, 16)
+        assert pl.held_marks() == pl.MAX_HELD_MARKS  # the oldest are dropped
+        last = outs[-1]
+        _, mlp = torch.split(last, [16, 24], dim=-1)
+        act = pl.FusedActivation("act", torch.nn.GELU(approximate="tanh"), lambda t: pytest.fail("GELU ran twice"))
+        assert act(mlp) is mlp
+        assert pl.held_marks() == pl.MAX_HELD_MARKS - 1  # read: released
+        other = torch.randn(2, 3, 24)
+        assert torch.equal(act.__class__("act", None, lambda t: t * 2)(other), other * 2)  # unmarked: the module's
+        assert pl.held_marks() == pl.MAX_HELD_MARKS - 1
+    pl._held_marks.clear()
+
+
 @pytest.mark.parametrize("copies", [False, True], ids=["no_copy", "default_copy"])
 def test_fused_model_under_inference_mode_matches_no_grad(copies, gelu_calls):
     """ComfyUI samples under torch.inference_mode: every fused GELU (the Sequential's, and the

@@ -223,7 +223,67 @@ class TritonAccelTestFusedNorms:
         return out["result"] if isinstance(out, dict) else out
 
 
+class _CpuGraphs:
+    """CUDA graphs' contract on the CPU (a recording reads its static inputs and writes the
+    output tensors it returned; a replay refills them), for the pack's step_graph in a CPU
+    server: it shows which calls of a real sampler would be recorded and replayed."""
+
+    @staticmethod
+    def supports(device):
+        return True
+
+    @staticmethod
+    def capturing(device):
+        return False
+
+    @staticmethod
+    def capture(fn, pool):
+        out = fn()
+        return (fn, out), out, pool
+
+    @staticmethod
+    def replay(graph):
+        fn, out = graph
+        fresh = fn()
+        if isinstance(out, (list, tuple)):
+            for o, f in zip(out, fresh):
+                o.copy_(f)
+        else:
+            out.copy_(fresh)
+
+
+class TritonAccelTestStepGraph:
+    """Turns the pack's step graphs on (TRITON_ACCEL_STEP_GRAPH=1 in this server from now on;
+    off by default) and, with cpu_stand_in, gives this (patched) model's step graphs a CPU
+    stand-in for torch.cuda's graphs (_CpuGraphs), where the CPU server otherwise refuses them
+    ("not a CUDA call")."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "cpu_stand_in": ("BOOLEAN", {"default": True})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "Triton Accel tests"
+
+    def patch(self, model, cpu_stand_in=True):
+        import os
+        import sys
+
+        os.environ["TRITON_ACCEL_STEP_GRAPH"] = "1"
+        if not cpu_stand_in:
+            return (model,)
+        module = next(m for name, m in list(sys.modules.items())
+                      if name.endswith(".nodes.step_graph") and hasattr(m, "StepGraphs"))
+        graphs = module.current(model)
+        if graphs is None:
+            raise RuntimeError("no Triton Accel step graphs on this model")
+        graphs.backend = _CpuGraphs
+        return (model,)
+
+
 NODE_CLASS_MAPPINGS = {
+    "TritonAccelTestStepGraph": TritonAccelTestStepGraph,
     "TritonAccelTestFusedNorms": TritonAccelTestFusedNorms,
     "TritonAccelTestConditioning": TritonAccelTestConditioning,
     "TritonAccelTestEmptyLatent": TritonAccelTestEmptyLatent,
