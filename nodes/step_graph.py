@@ -61,6 +61,7 @@ REASON_FAILED = "recording failed"
 REASON_FULL = "graph table full"
 REASON_CAPTURING = "inside another capture"
 REASON_RECORDING = "recorded (this call ran eagerly)"
+REASON_MEMORY = "not enough free GPU memory for the recording's activations"
 
 
 class _NotGraphable(Exception):
@@ -203,6 +204,15 @@ class CudaGraphs:
     def capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
+    @staticmethod
+    def room(device: torch.device, need: int) -> bool:
+        """Whether `need` bytes are free on the device for the graph's own memory pool (which
+        cannot use the blocks torch's allocator keeps cached: those are returned first)."""
+        if torch.cuda.mem_get_info(device)[0] >= need:
+            return True
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0] >= need
+
 
 class _Graph:
     __slots__ = ("graph", "statics", "out", "weights", "held", "uuid", "linear")
@@ -317,6 +327,16 @@ class StepGraphs:
             return REASON_DYNAMIC
         return None
 
+    def _memory_need(self, shape) -> int:
+        base = getattr(self._base, "model", None)
+        estimate = getattr(base, "memory_required", None)
+        if estimate is None:
+            return 0
+        try:
+            return int(estimate(tuple(shape)))
+        except Exception:  # a model whose estimate needs its conds: no estimate, no check
+            return 0
+
     def _uuid(self):
         base = getattr(self._base, "model", None)
         return getattr(base, "current_weight_patches_uuid", None)
@@ -350,6 +370,12 @@ class StepGraphs:
             return
         if not weights_on(rows, device):
             self._fail(REASON_DYNAMIC, final=True)
+            return
+        # The recording's activations live in a pool of their own: what ComfyUI reserves for one
+        # call of this model (BaseModel.memory_required) must be free besides the eager step's.
+        need = self._memory_need(tensors[0].shape)
+        if need and not self.backend.room(device, need):
+            self._fail(REASON_MEMORY)
             return
         statics = [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device) for t in tensors]
         for static, t in zip(statics, tensors):

@@ -43,6 +43,12 @@ class FakeGraphs:
     def capturing(device):
         return False
 
+    room_for = None  # bytes free on the "device" (None: any amount)
+
+    @classmethod
+    def room(cls, device, need):
+        return cls.room_for is None or need <= cls.room_for
+
     @classmethod
     def capture(cls, fn, pool):
         cls.capture_flags.append(compiled_ops.STEP_CAPTURE)
@@ -83,10 +89,14 @@ class Executor:
 class Base:
     """The BaseModel attributes the APPLY_MODEL side reads."""
 
-    def __init__(self):
+    def __init__(self, need=0):
         self.current_weight_patches_uuid = None
         self.model_lowvram = False
         self.current_patcher = None
+        self.need = need
+
+    def memory_required(self, input_shape):
+        return self.need
 
 
 @pytest.fixture(autouse=True)
@@ -97,6 +107,7 @@ def fake_backend(monkeypatch):
     monkeypatch.setattr(FakeGraphs, "corrupt", 0.0)
     monkeypatch.setattr(FakeGraphs, "fail", None)
     monkeypatch.setattr(FakeGraphs, "capture_flags", [])
+    monkeypatch.setattr(FakeGraphs, "room_for", None)
     monkeypatch.setenv("TRITON_ACCEL_STEP_GRAPH", "1")
     call_stats.reset()
     yield
@@ -390,6 +401,23 @@ def test_off_unless_turned_on(monkeypatch):
     monkeypatch.setenv("TRITON_ACCEL_STEP_GRAPH", "0")
     call(graphs, model, *inputs(seed=9))
     assert FakeGraphs.captures == 0 and step_counts() == (0, {})
+
+
+@torch.no_grad()
+def test_no_recording_without_room_for_its_activations():
+    """The recording's pool needs what ComfyUI reserves for one call (BaseModel.memory_required)
+    besides the eager step's memory: without it the model stays eager, counted with the reason."""
+    FakeGraphs.room_for = 1000
+    model = Model()
+    graphs = StepGraphs()
+    for i in range(8):
+        call(graphs, model, *inputs(seed=i), base=Base(need=4000))
+    _, reasons = step_counts()
+    assert FakeGraphs.captures == 0 and graphs.refusal == step_graph.REASON_MEMORY
+    graphs = StepGraphs()
+    for i in range(4):
+        call(graphs, model, *inputs(seed=i), base=Base(need=800))
+    assert FakeGraphs.captures == 1
 
 
 def test_transparent_to_torch_compile():
