@@ -413,7 +413,7 @@ COMPILED_SUFFIX = "+compile"
 GLUON_VARIANT_SUFFIXES = ("lean", "classic", "lean_rowsum")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
 # +norms / +blocks / +nonorms: TRITON_ACCEL_FUSED_NORMS=all / blocks / off (unset otherwise: the pack's default)
 NORMS_SUFFIXES = {"norms": "all", "nonorms": "off", "blocks": "blocks", "qk": "qk"}
-# +graph: TRITON_ACCEL_STEP_GRAPH=1 (step graphs on); +nograph: 0 (every step eager, the default).
+# +graph: TRITON_ACCEL_STEP_GRAPH=1 (step graphs on, the default); +nograph: 0 (every step eager).
 GRAPH_SUFFIXES = {"graph": "1", "nograph": "0"}
 # Calls before the timed steps where step graphs are on: two warm up, the third is recorded.
 GRAPH_WARMUP = 3
@@ -512,7 +512,7 @@ def fused_norms(value: str | None):
 
 
 def step_graph_setting(value: str | None):
-    """TRITON_ACCEL_STEP_GRAPH (None: unset, the default: off; read per call)."""
+    """TRITON_ACCEL_STEP_GRAPH (None: unset, the default: on; read per call)."""
     return env_setting("TRITON_ACCEL_STEP_GRAPH", value)
 
 

@@ -25,7 +25,8 @@
 #   bash benchmarks/gpu_runs.sh s33f        session 33's final code: host µs per call; one profiled Flux step with /
 #                                           without the fused blocks; Flux ABBA; Wan default / ours-all
 #   bash benchmarks/gpu_runs.sh s33g        Flux: three ours-all processes interleaved with two +qk, default at both ends
-#   bash benchmarks/gpu_runs.sh s34         step graphs (not run yet): Flux default / ours-all+graph / ours-all; Wan default / ours-all+graph
+#   bash benchmarks/gpu_runs.sh s34         step graphs (then off by default): Flux default / ours-all+graph / ours-all; Wan default / ours-all+graph
+#   bash benchmarks/gpu_runs.sh s34b        step graphs on by default: Flux default / ours-all / ours-all+nograph / ours-all / default; Wan ours-all
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -130,5 +131,10 @@ s34)
     grep -h "stays eager\|recorded as a CUDA graph" /tmp/e2e_flux34/run.log | sort | uniq -c | head
     e2e e2e_wan34 170 --models wan --variants default ours-all+graph --steps 3
     grep -h "stays eager\|recorded as a CUDA graph" /tmp/e2e_wan34/run.log | sort | uniq -c | head ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34"; exit 2 ;;
+s34b)
+    e2e e2e_flux34b 280 --models flux --variants default ours-all ours-all+nograph ours-all default --steps 6
+    grep -h "stays eager\|recorded as a CUDA graph" /tmp/e2e_flux34b/run.log | sort | uniq -c | head
+    e2e e2e_wan34b 120 --models wan --variants ours-all --steps 3
+    grep -h "stays eager\|recorded as a CUDA graph" /tmp/e2e_wan34b/run.log | sort | uniq -c | head ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b"; exit 2 ;;
 esac
