@@ -76,7 +76,7 @@ from ..kernels.registry import BackendUnavailableError
 from . import call_stats, compiled_ops, step_graph
 from .settings import SEARCH_ALIASES as ATTENTION_SEARCH_ALIASES
 from .settings import SETTINGS_TYPE, AccelSettings, default_device, device_key, patched_model_text
-from .speed_choice import LOSSLESS_BAR, comfy_progress_bar
+from .speed_choice import LOSSLESS_BAR, comfy_progress_bar, guard_failure
 
 log = logging.getLogger("triton_accel")
 
@@ -1061,23 +1061,6 @@ def _rebound(previous, old_module, new_module):
 
 def _no_callback(*args, **kwargs) -> None:
     """Stands in for a callback of a state that has no copy for a clone's model."""
-
-
-def guard_failure(ours: torch.Tensor, reference: torch.Tensor, max_rel_l2: float) -> str | None:
-    """Why `ours` is not an acceptable stand-in for `reference`, or None."""
-    if ours.shape != reference.shape:
-        return f"shape {tuple(ours.shape)} instead of {tuple(reference.shape)}"
-    ours32, ref32 = ours.detach().float(), reference.detach().float()
-    if not bool(torch.isfinite(ref32).all()):
-        return "ComfyUI's own output has NaN/Inf here: nothing to compare with"
-    if not bool(torch.isfinite(ours32).all()):
-        return "NaN/Inf in our output"
-    ref_norm = ref32.norm().item()
-    diff = (ours32 - ref32).norm().item()
-    rel = diff / ref_norm if ref_norm > 0 else (0.0 if diff == 0 else float("inf"))
-    if rel > max_rel_l2:
-        return f"rel. L2 {rel:.3g} > {max_rel_l2}"
-    return None
 
 
 def fallback_report() -> list[dict]:

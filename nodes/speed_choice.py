@@ -68,6 +68,24 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1, -1)
 
 
+def guard_failure(ours: torch.Tensor, reference: torch.Tensor, max_rel_l2: float) -> str | None:
+    """Why `ours` is not an acceptable stand-in for `reference`, or None (the Linear guard, the
+    fused norms' first-call check, a step graph's first replay)."""
+    if ours.shape != reference.shape:
+        return f"shape {tuple(ours.shape)} instead of {tuple(reference.shape)}"
+    ours32, ref32 = ours.detach().float(), reference.detach().float()
+    if not bool(torch.isfinite(ref32).all()):
+        return "ComfyUI's own output has NaN/Inf here: nothing to compare with"
+    if not bool(torch.isfinite(ours32).all()):
+        return "NaN/Inf in our output"
+    ref_norm = ref32.norm().item()
+    diff = (ours32 - ref32).norm().item()
+    rel = diff / ref_norm if ref_norm > 0 else (0.0 if diff == 0 else float("inf"))
+    if rel > max_rel_l2:
+        return f"rel. L2 {rel:.3g} > {max_rel_l2}"
+    return None
+
+
 def agreement(out: torch.Tensor, ref: torch.Tensor, groups=None) -> dict:
     """{"rel_l2", "min_cosine"} of `out` against `ref`; `groups` maps an output to [slices, -1]
     (per batch and head; default: one slice). NaN anywhere gives NaN, which no bar accepts."""
