@@ -32,6 +32,9 @@ with:
                (Wan blocks and Flux-layer QKNorms: session 32's default), =blocks (Wan blocks
                only) or =off (none); none of them: the pack's default (all, docs/settings.md),
                e.g. ours-all+nonorms for the step before the fusion
+  <variant>+rope, <variant>+norope  that variant with TRITON_ACCEL_FUSED_ROPE=1 (the default:
+               Flux blocks write q and k normalised and rotated in the attention's layout) or 0
+               (QK norm kernel, then ComfyUI's concatenation and RoPE)
   <variant>+compile  that variant with ComfyUI's TorchCompileModel (inductor) applied last, as
                a user's graph puts it after the patch nodes ("default+compile" is ComfyUI's
                own compiled model); the first call, which compiles, is left out of the timing
@@ -415,6 +418,8 @@ GLUON_VARIANT_SUFFIXES = ("lean", "classic", "lean_rowsum")  # +<name>: TRITON_A
 NORMS_SUFFIXES = {"norms": "all", "nonorms": "off", "blocks": "blocks", "qk": "qk"}
 # +graph: TRITON_ACCEL_STEP_GRAPH=1 (step graphs on, the default); +nograph: 0 (every step eager).
 GRAPH_SUFFIXES = {"graph": "1", "nograph": "0"}
+# +rope: TRITON_ACCEL_FUSED_ROPE=1 (the default); +norope: 0 (Flux blocks: QK norm, cat, ComfyUI's RoPE).
+ROPE_SUFFIXES = {"rope": "1", "norope": "0"}
 # Calls before the timed steps where step graphs are on: two warm up, the third is recorded.
 GRAPH_WARMUP = 3
 
@@ -476,7 +481,7 @@ def split_variant(variant: str) -> tuple[str, str | None, bool]:
     parts = variant.split("+")
     gluon = next((p for p in parts[1:] if p in GLUON_VARIANT_SUFFIXES), None)
     rest = [p for p in parts[1:] if p not in GLUON_VARIANT_SUFFIXES and p != "compile" and p not in NORMS_SUFFIXES
-            and p not in GRAPH_SUFFIXES]
+            and p not in GRAPH_SUFFIXES and p not in ROPE_SUFFIXES]
     return "+".join([parts[0], *rest]), gluon, "compile" in parts[1:]
 
 
@@ -520,7 +525,9 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
     base_name, gluon, compiled = split_variant(variant)
     norms = next((NORMS_SUFFIXES[p] for p in variant.split("+")[1:] if p in NORMS_SUFFIXES), None)
     graph = next((GRAPH_SUFFIXES[p] for p in variant.split("+")[1:] if p in GRAPH_SUFFIXES), None)
-    with gluon_variant(gluon), fused_norms(norms), step_graph_setting(graph):
+    rope = next((ROPE_SUFFIXES[p] for p in variant.split("+")[1:] if p in ROPE_SUFFIXES), None)
+    with gluon_variant(gluon), fused_norms(norms), step_graph_setting(graph), \
+            env_setting("TRITON_ACCEL_FUSED_ROPE", rope):
         row = run_variant_uncompiled(name, base_name, base, x, t, context, kwargs, steps, device, ref,
                                      dynamic_vram, compiled=compiled, tag=variant)
     row["variant"] = variant

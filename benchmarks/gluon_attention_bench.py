@@ -20,8 +20,10 @@
    Flux, Wan, HunyuanVideo, head dim 256 (1,12,4096,256) and GQA 32/8 (1,32,4608,128).
 --bf16-configs adds GLUON_BF16_CONFIGS entries beside the default BF16 config (accuracy and
 speed, at the head dims they are made for); --lite times every FP8 config with and without its
-quantisation but leaves graph replay, host time, the profiler breakdown, attention_fp8_full and
-our plain BF16 row to the first config (a sweep of candidate configs in one short device call).
+quantisation (eager and graph-replayed) but leaves host time, the profiler breakdown,
+attention_fp8_full and our plain BF16 row to the first config (a sweep of candidate configs in one
+short device call). A --configs name may end in "@n<N>": that config with N outlier channels
+instead of N_OUTLIER ("sm90_lean@n0": no side operands).
 Prints a table last and writes gluon_attention.json under --out (default: $OUT or .).
 """
 from __future__ import annotations
@@ -91,10 +93,18 @@ def gluon_facts():
     return facts
 
 
+def fp8_config(name):
+    """(config, n_outlier) of a --configs entry: a GLUON_CONFIGS name, "@n<N>" appended for
+    N outlier channels instead of N_OUTLIER ("sm90_lean@n0": no side operands, which shows
+    what the outlier channels' extra k-step and their quantisation cost)."""
+    base, sep, n = name.partition("@n")
+    return glu.GLUON_CONFIGS[base], (int(n) if sep else glu.N_OUTLIER)
+
+
 def runners(configs, lite=False):
     """name -> fn(q, k, v): every FP8 path whose accuracy is checked."""
-    out = {f"gluon_{c}": (lambda c: lambda q, k, v: glu.attention_gluon_fp8(q, k, v, config=glu.GLUON_CONFIGS[c]))(c)
-           for c in configs}
+    out = {f"gluon_{c}": (lambda cfg, n: lambda q, k, v: glu.attention_gluon_fp8(q, k, v, config=cfg, n_outlier=n))(
+        *fp8_config(c)) for c in configs}
     if not lite:
         out["fp8_full"] = lambda q, k, v: full.attention_fp8_full(q, k, v)
     return out
@@ -126,20 +136,22 @@ def speed(shape, configs, rep, lite=False):
     scale = shape[3] ** -0.5
     ms, breakdown = {}, {}
     for i, c in enumerate(configs):
-        cfg = glu.GLUON_CONFIGS[c]
+        cfg, n_out = fp8_config(c)
         try:
-            ms[f"gluon_{c}"] = bench(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg), rep)
-            qkv = glu.quantize_for_config(q, k, v, scale * 1.0, cfg)
+            ms[f"gluon_{c}"] = bench(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg, n_outlier=n_out), rep)
+            qkv = glu.quantize_for_config(q, k, v, scale * 1.0, cfg, n_out)
             ms[f"gluon_{c}_kernel"] = bench(
                 lambda: glu.attention_gluon_fp8_quantized(qkv, q.shape, shape[2], q.dtype, q.device, cfg), rep)
+            # CUDA-graph replay: the same work without the host's launch cost (3 quantisation
+            # launches, 5 tensor descriptors and the Gluon launch per call), as a step graph
+            # replays it in ComfyUI.
+            ms[f"gluon_{c}_graph"] = graph_ms(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg, n_outlier=n_out))
             if lite and i > 0:
                 continue
-            # CUDA-graph replay: the same work without the host's launch cost (3 quantisation
-            # launches, 5 tensor descriptors and the Gluon launch per call).
-            ms[f"gluon_{c}_graph"] = graph_ms(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg))
-            ms[f"gluon_{c}_host_us"] = host_us(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg))
+            ms[f"gluon_{c}_host_us"] = host_us(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg, n_outlier=n_out))
             try:
-                breakdown[c] = kernel_breakdown(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg))
+                breakdown[c] = kernel_breakdown(lambda: glu.attention_gluon_fp8(q, k, v, config=cfg,
+                                                                                n_outlier=n_out))
             except Exception as e:
                 breakdown[c] = dict(error=f"{type(e).__name__}: {e}"[:300])
         except Exception as e:

@@ -27,6 +27,12 @@
 #   bash benchmarks/gpu_runs.sh s33g        Flux: three ours-all processes interleaved with two +qk, default at both ends
 #   bash benchmarks/gpu_runs.sh s34         step graphs (then off by default): Flux default / ours-all+graph / ours-all; Wan default / ours-all+graph
 #   bash benchmarks/gpu_runs.sh s34b        step graphs on by default: Flux default / ours-all / ours-all+nograph / ours-all / default; Wan ours-all
+#   bash benchmarks/gpu_runs.sh s35         FP8 attention with and without the outlier side operands (Flux, Wan); issue 12's
+#                                           Linear table; Flux default / Patch / Patch+norope / Linear / fp8_e4m3fn_fast /
+#                                           Patch / default
+#   bash benchmarks/gpu_runs.sh s35w        Wan default / Patch / fp8_e4m3fn_fast (issue 12's Wan row)
+#   bash benchmarks/gpu_runs.sh s35f        Flux: the QK norm + RoPE fusion on / off (ABBA) beside the default, one
+#                                           profiled step each
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -136,5 +142,23 @@ s34b)
     grep -h "stays eager\|recorded as a CUDA graph" /tmp/e2e_flux34b/run.log | sort | uniq -c | head
     e2e e2e_wan34b 120 --models wan --variants ours-all --steps 3
     grep -h "stays eager\|recorded as a CUDA graph" /tmp/e2e_wan34b/run.log | sort | uniq -c | head ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b"; exit 2 ;;
+s35)
+    timeout 100 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan --bf16-shapes "" \
+      --configs sm90_lean,sm90_lean@n0 --rep 100 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
+    grep -A40 "== accuracy" $R/gluon.txt
+    timeout 60 python3 benchmarks/linear_bench.py --no-sweep --out $R > $R/linear.txt 2>&1; tail -30 $R/linear.txt
+    e2e e2e_flux35 380 --models flux --variants default ours-all ours-all+norope ours-linear comfy-fp8-fast ours-all \
+        default --steps 5
+    grep -h "stays eager\|recorded as a CUDA graph" /tmp/e2e_flux35/run.log | sort | uniq -c | head ;;
+s35w)
+    e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
+s35f)
+    export E2E_KPROFILE=/tmp/kprof; mkdir -p /tmp/kprof
+    e2e e2e_flux35k 200 --models flux --variants ours-all ours-all+norope --steps 4
+    tar czf $R/kprof.tgz -C /tmp kprof; grep -h "device total\|timeline" /tmp/kprof/*.txt
+    export E2E_KPROFILE=
+    e2e e2e_flux35f 300 --models flux --variants default ours-all ours-all+norope ours-all+norope ours-all default \
+        --steps 6
+    grep -h "stays eager\|recorded as a CUDA graph\|fused norms" /tmp/e2e_flux35f/run.log | sort | uniq -c | head ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35w, s35f"; exit 2 ;;
 esac

@@ -30,6 +30,7 @@ GLUON = "TRITON_ACCEL_GLUON"
 GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
 GLUON_VARIANTS = ("default", "lean", "classic", "lean_rowsum")
 FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
+FUSED_ROPE = "TRITON_ACCEL_FUSED_ROPE"
 STEP_GRAPH = "TRITON_ACCEL_STEP_GRAPH"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
@@ -78,6 +79,12 @@ SETTINGS = (
             "residual vectorised, and on sm_89+ the FP8 Linear's e4m3 input rows written by the "
             "norm passes. Off (any false word): none. The first call of each fused block is "
             "checked against ComfyUI's."),
+    Setting(FUSED_ROPE, "on",
+            "Inside the fused Flux-layer blocks (TRITON_ACCEL_FUSED_NORMS=all), q and k's per-head "
+            "RMSNorm and the rotary embedding in one pass, written straight into the attention's q "
+            "and k ([B, L, H, D] memory, a double block's text and image rows in one tensor): no "
+            "RoPE pass, no concatenation of q and k, and no copy of the attention output. Off: the "
+            "QK norm kernel, then ComfyUI's concatenation and RoPE."),
     Setting(STEP_GRAPH, "on",
             "Models patched by the pack record their diffusion-model call as one CUDA graph at the "
             "third call with the same signature and replay it for later steps (the host then issues "
@@ -137,6 +144,11 @@ def fused_norms() -> str:
     if value in FALSE_WORDS:
         return "off"
     return value if value in ("all", "qk") else "blocks"
+
+
+def fused_rope_enabled() -> bool:
+    """TRITON_ACCEL_FUSED_ROPE: on unless a false word."""
+    return flag(FUSED_ROPE, True)
 
 
 def step_graph_enabled() -> bool:

@@ -275,10 +275,24 @@ if triton is not None:
         # quantisation would.
         amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-12)
         inv = tl.math.div_rn(448.0, amax)  # correctly rounded: Triton's '/' is approximate
+        store_e4m3_part(q_row, x, inv, offs, mask, EXACT_CAST)
+        tl.store(scale_ptr, amax / 448.0)
+
+    @triton.jit
+    def store_fp8_row_parts(q_row, scale_ptr, xa, offs_a, mask_a, xb, offs_b, mask_b, EXACT_CAST: tl.constexpr):
+        # store_fp8_row of one row held as two pieces (xa at offs_a, xb at offs_b): the amax of
+        # both, the same bits as store_fp8_row of the whole row.
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(xa), 0), tl.max(tl.abs(xb), 0)), 1e-12)
+        inv = tl.math.div_rn(448.0, amax)
+        store_e4m3_part(q_row, xa, inv, offs_a, mask_a, EXACT_CAST)
+        store_e4m3_part(q_row, xb, inv, offs_b, mask_b, EXACT_CAST)
+        tl.store(scale_ptr, amax / 448.0)
+
+    @triton.jit
+    def store_e4m3_part(q_row, x, inv, offs, mask, EXACT_CAST: tl.constexpr):
         # The clamp keeps a rounding of x * inv just above 448 from overflowing e4m3.
         y = tl.clamp(x * inv, -448.0, 448.0)
         tl.store(q_row + offs, to_e4m3(y, EXACT_CAST), mask=mask)
-        tl.store(scale_ptr, amax / 448.0)
 
 
 def exact_bf16(x: torch.Tensor) -> bool:

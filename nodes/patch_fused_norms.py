@@ -71,6 +71,7 @@ import types
 import torch
 
 from ..kernels import env_settings
+from ..kernels.cat_fp8_rows import CatRowsInputError, cat_fp8_rows
 from ..kernels.gated_residual_norm import (GatedResidualInputError, gated_residual, gated_residual_layer_norm,
                                            gated_residual_layer_norm_rows)
 from ..kernels.kernel_common import fp8_device_refusal
@@ -80,6 +81,7 @@ from ..kernels.linear_fp8 import quantize_once
 from ..kernels.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
 from ..kernels.norm_rope import refusal as norm_rope_refusal
 from ..kernels.qk_norm import QKNormInputError, qk_rms_norm
+from ..kernels.qk_norm_rope import QKNormRopeInputError, qk_rms_norm_rope
 from . import call_stats
 from .patch_linear import LinearLayer, guard_failure, module_attr
 
@@ -90,6 +92,7 @@ PATH = "fused_norms"
 PATH_QK = "fused_qk_norm"
 PATH_FLUX = "fused_flux_block"
 FLUX_MODULE = "comfy.ldm.flux.layers"
+FLUX_MATH_MODULE = "comfy.ldm.flux.math"
 CALLBACK_KEY = "triton_accel_fused_norms"
 # The fused passes reproduce ComfyUI's roundings; what is left is the order of fp32 sums and
 # rsqrt's last bits (a bf16 ulp on a few values). A block differing by more is not the block
@@ -511,6 +514,11 @@ class _FusedFluxBlock(_RowsSites):
     TENSORS: tuple = ()  # the activations, [B, L, hidden]
     MODULATION_DIMS: tuple = ()
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # TRITON_ACCEL_FUSED_ROPE, read when the node patches (as TRITON_ACCEL_FUSED_NORMS is).
+        self.fuse_rope = env_settings.fused_rope_enabled()
+
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return self.previous(*args, **kwargs)
@@ -569,15 +577,27 @@ class FusedFluxSingleBlock(_FusedFluxBlock):
         qkv, mlp = torch.split(y, [3 * block.hidden_size, first], dim=-1)
         q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, block.num_heads, -1).permute(2, 0, 3, 1, 4)
         del qkv
-        q, k = block.norm(q, k, v)
-        attn = _flux_attention(block)(q, k, v, pe=pe, mask=attn_mask,
-                                      transformer_options={} if transformer_options is None else transformer_options)
+        options = {} if transformer_options is None else transformer_options
+        attn = None
+        if _rope_refusal(block, (block.norm,), pe, self.fuse_rope) is None:
+            try:
+                attn = _rope_attention(block, [(block.norm, q, k)], v, pe, attn_mask, options)
+            except QKNormRopeInputError:
+                attn = None  # this call: the norm, then ComfyUI's attention with its RoPE
+        if attn is None:
+            q, k = block.norm(q, k, v)
+            attn = _flux_attention(block)(q, k, v, pe=pe, mask=attn_mask, transformer_options=options)
         del q, k, v
         if getattr(block, "yak_mlp", False):
             mlp = block.mlp_act(mlp[..., first // 2:]) * mlp[..., :first // 2]
         else:
             mlp = block.mlp_act(mlp)
-        x = gated_residual(x, block.linear2(torch.cat((attn, mlp), 2)), gate, round_product=True)
+        h, rows = _cat_with_rows(attn, mlp, self._wants_rows("linear2", rows_ok, block.linear2, x))
+        del attn, mlp
+        with _rows_scope(h, rows, self._rows_read("linear2")):
+            y = block.linear2(h)
+        del h
+        x = gated_residual(x, y, gate, round_product=True)
         return _fp16_finite(x)
 
 
@@ -601,17 +621,26 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
             (img_mod1, img_mod2), (txt_mod1, txt_mod2) = vec
         img, txt = _unit_last_stride(img), _unit_last_stride(txt)
         rows_ok = _fp8_rows_refusal(img.device) is None
-        img_q, img_k, img_v = self._qkv("img", block.img_norm1, block.img_attn, img, img_mod1, rows_ok)
-        txt_q, txt_k, txt_v = self._qkv("txt", block.txt_norm1, block.txt_attn, txt, txt_mod1, rows_ok)
-        q = torch.cat((txt_q, img_q), dim=2)
-        del txt_q, img_q
-        k = torch.cat((txt_k, img_k), dim=2)
-        del txt_k, img_k
-        v = torch.cat((txt_v, img_v), dim=2)
-        del txt_v, img_v
-        attn = _flux_attention(block)(q, k, v, pe=pe, mask=attn_mask,
-                                      transformer_options={} if transformer_options is None else transformer_options)
-        del q, k, v
+        options = {} if transformer_options is None else transformer_options
+        rope = _rope_refusal(block, (block.img_attn.norm, block.txt_attn.norm), pe, self.fuse_rope) is None
+        img_q, img_k, img_v = self._qkv("img", block.img_norm1, block.img_attn, img, img_mod1, rows_ok, not rope)
+        txt_q, txt_k, txt_v = self._qkv("txt", block.txt_norm1, block.txt_attn, txt, txt_mod1, rows_ok, not rope)
+        attn = None
+        if rope:
+            try:
+                # The text stream's rows, then the image stream's, into one q and one k.
+                attn = _rope_attention(block, [(block.txt_attn.norm, txt_q, txt_k), (block.img_attn.norm, img_q, img_k)],
+                                       torch.cat((txt_v, img_v), dim=2), pe, attn_mask, options)
+            except QKNormRopeInputError:  # this call: the norms, then ComfyUI's attention with its RoPE
+                txt_q, txt_k = block.txt_attn.norm(txt_q, txt_k, txt_v)
+                img_q, img_k = block.img_attn.norm(img_q, img_k, img_v)
+        if attn is None:
+            q = torch.cat((txt_q, img_q), dim=2)
+            k = torch.cat((txt_k, img_k), dim=2)
+            v = torch.cat((txt_v, img_v), dim=2)
+            attn = _flux_attention(block)(q, k, v, pe=pe, mask=attn_mask, transformer_options=options)
+            del q, k, v
+        del txt_q, img_q, txt_k, img_k, txt_v, img_v
         txt_attn, img_attn = attn[:, :txt.shape[1]], attn[:, txt.shape[1]:]
         img = self._mlp("img", block.img_attn.proj, block.img_norm2, block.img_mlp, img, img_attn, img_mod1, img_mod2,
                         rows_ok)
@@ -620,7 +649,9 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
                         rows_ok)
         return img, _fp16_finite(txt)
 
-    def _qkv(self, stream: str, norm, attn, x, mod, rows_ok: bool):
+    def _qkv(self, stream: str, norm, attn, x, mod, rows_ok: bool, normalise: bool = True):
+        """q, k, v of one stream ([B, H, L, D] views of its qkv Linear's output), q and k through
+        the stream's QKNorm when `normalise` (else _rope_attention normalises them)."""
         shift, scale, _ = _mod_vectors(mod)
         site = stream + "_qkv"
         _, h, rows = residual_layer_norm_modulate(x, shift, scale, norm.eps,
@@ -630,7 +661,8 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
         del h
         q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, self.module.num_heads, -1).permute(2, 0, 3, 1, 4)
         del qkv
-        q, k = attn.norm(q, k, v)
+        if normalise:
+            q, k = attn.norm(q, k, v)
         return q, k, v
 
     def _mlp(self, stream: str, proj, norm2, mlp, x, attn_out, mod1, mod2, rows_ok: bool):
@@ -646,6 +678,17 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
             y = mlp(h)
         del h
         return gated_residual(x, y, gate2, round_product=True)
+
+
+def _cat_with_rows(attn: torch.Tensor, mlp: torch.Tensor, want_rows: bool):
+    """(torch.cat((attn, mlp), 2), its FP8 Linear e4m3 rows or None): both from one pass of
+    kernels/cat_fp8_rows.py where the rows are wanted and the kernel takes the call."""
+    if want_rows:
+        try:
+            return cat_fp8_rows(attn, mlp)
+        except CatRowsInputError:
+            pass
+    return torch.cat((attn, mlp), 2), None
 
 
 def _mod_vectors(mod) -> tuple:
@@ -672,6 +715,66 @@ def _flux_attention(block):
     """The attention function ComfyUI's flux layers call (comfy.ldm.flux.math.attention, as their
     module imported it): RoPE, then optimized_attention with the model's overrides."""
     return type(block).forward.__globals__["attention"]
+
+
+def _rope_refusal(block, norms: tuple, pe, enabled: bool = True) -> str | None:
+    """Why a Flux-layer block's q/k norm and RoPE cannot run as _rope_attention (None: they can):
+    TRITON_ACCEL_FUSED_ROPE off when the block was patched (`enabled`), no rope, an attention
+    function other than ComfyUI's (a node that replaced it keeps its own), or a QKNorm another
+    node patched."""
+    if not enabled:
+        return "TRITON_ACCEL_FUSED_ROPE is off"
+    if not isinstance(pe, torch.Tensor):
+        return "no rope"
+    attention = _flux_attention(block)
+    if (getattr(attention, "__module__", None) != FLUX_MATH_MODULE or getattr(attention, "__name__", None) != "attention"
+            or "optimized_attention" not in getattr(attention, "__globals__", {})):
+        return "the block's attention function is not ComfyUI's flux attention"
+    for norm in norms:
+        forward = getattr(norm, "__dict__", {}).get("forward")
+        if forward is not None and not isinstance(forward, FusedQKNorm):
+            return "another node patches the QKNorm"
+    return None
+
+
+def _rope_attention(block, parts: list, v: torch.Tensor, pe: torch.Tensor, mask, transformer_options: dict):
+    """What comfy.ldm.flux.math.attention computes for q = cat(q_i), k = cat(k_i) of `parts`
+    [(QKNorm module, q_i, k_i)] (in sequence order, each not yet normalised) and v, with each
+    part's QKNorm and the RoPE in one kernel (kernels/qk_norm_rope.py) writing its rows into one
+    q and one k of [B, L, H, D] memory: no concatenation, no RoPE pass, and an attention output
+    whose [B, L, H * D] form is a view (torch's SDPA and our kernels allocate it in q's layout).
+    Raises QKNormRopeInputError for a call the kernel cannot serve, before anything runs."""
+    first = parts[0][1]
+    bsz, heads, _, head_dim = first.shape
+    if any(q.dtype != v.dtype for _, q, _ in parts):
+        raise QKNormRopeInputError(f"q in {first.dtype}, v in {v.dtype}")
+    length = sum(q.shape[2] for _, q, _ in parts)
+    q_all = torch.empty((bsz, length, heads, head_dim), dtype=first.dtype, device=first.device).transpose(1, 2)
+    k_all = torch.empty((bsz, length, heads, head_dim), dtype=first.dtype, device=first.device).transpose(1, 2)
+    releases = []
+    try:
+        weights = []
+        for norm, q, k in parts:  # every weight first: a refused call writes nothing
+            wq, eps_q, release = _qk_weight(module_attr(norm, "query_norm"), q)
+            releases.append(release)
+            wk, eps_k, release = _qk_weight(module_attr(norm, "key_norm"), k)
+            releases.append(release)
+            if eps_q != eps_k:
+                raise QKNormRopeInputError("q and k norms with different eps")
+            weights.append((wq, wk, eps_q))
+        offset = 0
+        for (_, q, k), (wq, wk, eps) in zip(parts, weights):
+            qk_rms_norm_rope(q, k, wq, wk, eps, pe, q_all, k_all, offset)
+            offset += q.shape[2]
+    except QKNormInputError as e:
+        raise QKNormRopeInputError(e.reason) from None
+    finally:
+        for release in releases:
+            if release is not None:
+                release()
+    optimized_attention = _flux_attention(block).__globals__["optimized_attention"]
+    return optimized_attention(q_all, k_all, v, heads, skip_reshape=True, mask=mask,
+                               transformer_options=transformer_options)
 
 
 def fusable_flux_block(block: torch.nn.Module) -> str | None:

@@ -25,12 +25,13 @@ def with_guard_run(count: int) -> int:
     return count * (STEPS_BLOCK_CALLS + 1) // STEPS_BLOCK_CALLS
 
 
-def fused(node="TritonAccelPatchAttention", attention="fp16", linear=None, attn1_patch=False, norms="all"):
+def fused(node="TritonAccelPatchAttention", attention="fp16", linear=None, attn1_patch=False, norms="all",
+          rope=True):
     settings = {"mode": attention, "device": "auto"}
     if linear is not None:
         settings["linear"] = linear
     return ("TritonAccelTestFusedNorms", {"node": node, "attn1_patch": attn1_patch, "fused_norms": norms,
-                                          "settings": ("settings", settings)})
+                                          "fused_rope": rope, "settings": ("settings", settings)})
 
 
 def _sample(comfy, chain, tag):
@@ -113,25 +114,32 @@ def _sample_family(comfy, family, chain, tag):
 @pytest.mark.parametrize("family", ["flux", "hunyuan_video"])
 def test_flux_qk_norms_and_blocks_fused(comfy, family):
     """Every QKNorm and every Double/SingleStreamBlock of comfy/ldm/flux/layers.py (Flux's and
-    HunyuanVideo's) served by the fused passes by default (the plain patch node, setting unset),
+    HunyuanVideo's) served by the fused passes by default (the plain patch node, settings unset),
     the latent unchanged within fp32 sum order against TRITON_ACCEL_FUSED_NORMS=blocks (no Wan
-    block in these models: nothing fused); =qk fuses the QKNorms only."""
+    block in these models: nothing fused); =qk fuses the QKNorms only. By default the blocks
+    normalise and rotate q and k themselves (TRITON_ACCEL_FUSED_ROPE): their QKNorm modules run
+    only inside ComfyUI's forward on each block kind's checked call; with the rope fusion off
+    the fused blocks call their QKNorms, which our QK norm serves."""
     plain, plain_stats = _sample_family(comfy, family, [fused(norms="blocks")], "plain")  # blocks: nothing here
     assert _kind(plain_stats, "norms")["served"] == 0, _kind(plain_stats, "norms")
     qk, qk_stats = _sample_family(comfy, family, [fused(norms="qk")], "qk")
     latent, stats = _sample_family(comfy, family, [patch("fp16")], "default")
-    norms, qk_norms = _kind(stats, "norms"), _kind(qk_stats, "norms")
-    err, qk_err = rel_l2(latent, plain), rel_l2(qk, plain)
+    norope, norope_stats = _sample_family(comfy, family, [fused(norms="all", rope=False)], "norope")
+    norms, qk_norms, norope_norms = _kind(stats, "norms"), _kind(qk_stats, "norms"), _kind(norope_stats, "norms")
+    err, qk_err, norope_err = rel_l2(latent, plain), rel_l2(qk, plain), rel_l2(norope, plain)
     print(f"\n[{family}] fused QK norms + blocks vs unfused: rel L2 {err:.3e}; norms {norms}; "
-          f"QK norms only: rel L2 {qk_err:.3e}, {qk_norms}")
+          f"QK norms only: rel L2 {qk_err:.3e}, {qk_norms}; rope fusion off: rel L2 {norope_err:.3e}, {norope_norms}")
     assert list(qk_norms["paths"]) == ["fused_qk_norm"] and qk_norms["handed_back"] == 0, qk_norms
     assert qk_norms["served"] % STEPS_BLOCK_CALLS == 0, qk_norms  # every QKNorm, every step
-    assert set(norms["paths"]) == {"fused_qk_norm", "fused_flux_block"} and norms["handed_back"] == 0, norms
-    # each block's QKNorm(s) still called inside the fused block; the first block of each kind
-    # runs twice on its checked call (ours, then ComfyUI's forward)
-    assert norms["paths"]["fused_qk_norm"] > qk_norms["served"], (norms, qk_norms)
-    assert norms["paths"]["fused_flux_block"] % STEPS_BLOCK_CALLS == 0, norms
-    assert err < FUSED_TOL and qk_err < FUSED_TOL, (err, qk_err)
+    for n in (norms, norope_norms):
+        assert set(n["paths"]) == {"fused_qk_norm", "fused_flux_block"} and n["handed_back"] == 0, n
+        assert n["paths"]["fused_flux_block"] % STEPS_BLOCK_CALLS == 0, n
+    # rope fusion off: each block's QKNorm(s) called inside the fused block, and the first block
+    # of each kind runs twice on its checked call (ours, then ComfyUI's forward)
+    assert norope_norms["paths"]["fused_qk_norm"] > qk_norms["served"], (norope_norms, qk_norms)
+    # rope fusion on: the QKNorms of the checked calls' ComfyUI forward only
+    assert 0 < norms["paths"]["fused_qk_norm"] < qk_norms["served"], (norms, qk_norms)
+    assert err < FUSED_TOL and qk_err < FUSED_TOL and norope_err < FUSED_TOL, (err, qk_err, norope_err)
 
 
 def test_flux_blocks_with_the_fp8_linear(comfy):

@@ -717,7 +717,8 @@ def test_flux_calls_it_cannot_serve_go_to_comfyui(qk_norms_on):
 def test_flux_linears_read_the_norm_kernels_fp8_rows(monkeypatch, qk_norms_on):
     """The Linear after each fused norm runs inside quantize_once(h, rows): the single block's
     linear1, the double block's qkv and first MLP Linear per stream, with the rows the norm
-    kernel wrote, bit for bit the FP8 Linear's own quantisation of h."""
+    kernel wrote, and the single block's linear2 with the rows of its concatenated input; bit
+    for bit the FP8 Linear's own quantisation of h."""
     from triton_accel.kernels import linear_fp8
 
     scopes, inside = _recording_scopes(monkeypatch, used=1)
@@ -739,13 +740,16 @@ def test_flux_linears_read_the_norm_kernels_fp8_rows(monkeypatch, qk_norms_on):
         img, txt = patcher.object_patches["diffusion_model.double_blocks.0.forward"](**call)
         patcher.object_patches["diffusion_model.single_blocks.0.forward"](torch.cat((txt, img), 1), vec=call["vec"],
                                                                           pe=None)
-    assert len(scopes) == 5
-    for (x, rows), name in zip(scopes, ("img_qkv", "txt_qkv", "img_mlp0", "txt_mlp0", "linear1")):
+    assert len(scopes) == 6
+    for (x, rows), name in zip(scopes, ("img_qkv", "txt_qkv", "img_mlp0", "txt_mlp0", "linear1", "linear2")):
         (read, scoped), = seen[name]
         assert scoped and read is x, name
-        q, scales = linear_fp8.quantize_activation(x.reshape(-1, FLUX_HIDDEN))
+        q, scales = linear_fp8.quantize_activation(x.reshape(-1, x.shape[-1]))
         assert torch.equal(rows[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows[1], scales), name
-    assert not seen["img_proj"][0][1] and not seen["linear2"][0][1]
+    # linear2's input: the concatenation of the attention output and the MLP's activation, with
+    # its rows from the same pass (kernels/cat_fp8_rows.py)
+    assert scopes[5][0].shape[-1] == FLUX_HIDDEN + single.mlp_hidden_dim
+    assert not seen["img_proj"][0][1]
 
 
 def test_flux_block_guard_sends_a_disagreeing_block_back(qk_norms_on):
@@ -798,3 +802,128 @@ def test_no_rows_for_a_linear_that_hands_the_stream_back():
     patch = pfn.FusedFluxSingleBlock("Flux #test", "single_blocks.0", SingleStreamBlock(), None)
     layer.state.min_tokens = 8
     assert not patch._wants_rows("linear1", True, linear, x) and patch._wants_rows("linear1", True)
+
+
+# ---- Flux's QK norm + RoPE into the attention's q and k (TRITON_ACCEL_FUSED_ROPE) -------------
+# comfy.ldm.flux.math restated as functions whose globals are a namespace named like it:
+# `attention` applies RoPE (0.29's _apply_rope1 formula) and calls `optimized_attention`, which
+# records the q / k it was handed.
+
+def _math_optimized_attention(q, k, v, heads, skip_reshape=False, mask=None, transformer_options={}):
+    calls.append(dict(q_stride=q.stride(), k_stride=k.stride(), shape=tuple(q.shape)))  # noqa: F821
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def _math_apply_rope1(x, freqs_cis):
+    x_ = x.to(dtype=freqs_cis.dtype).reshape(*x.shape[:-1], -1, 1, 2)
+    x_out = freqs_cis[..., 0] * x_[..., 0]
+    x_out.addcmul_(freqs_cis[..., 1], x_[..., 1])
+    return x_out.reshape(*x.shape).type_as(x)
+
+
+def _math_attention(q, k, v, pe, mask=None, transformer_options={}):
+    if pe is not None:
+        q, k = apply_rope1(q, pe), apply_rope1(k, pe)  # noqa: F821
+    return optimized_attention(q, k, v, q.shape[1], skip_reshape=True, mask=mask,  # noqa: F821
+                               transformer_options=transformer_options)
+
+
+@pytest.fixture
+def flux_math(monkeypatch):
+    """The fake blocks' `attention` global (what _flux_attention reads) becomes ComfyUI's."""
+    import sys
+
+    namespace = {"__name__": pfn.FLUX_MATH_MODULE, "torch": torch, "calls": []}
+    for name, fn in (("optimized_attention", _math_optimized_attention), ("apply_rope1", _math_apply_rope1),
+                     ("attention", _math_attention)):
+        namespace[name] = types.FunctionType(fn.__code__, namespace, name, fn.__defaults__)
+    monkeypatch.setattr(sys.modules[__name__], "attention", namespace["attention"])
+    return types.SimpleNamespace(**namespace)
+
+
+def flux_pe(batch, tokens):
+    """comfy.ldm.flux.math.rope's output as EmbedND hands it over: [B, 1, L, D/2, 2, 2] float32."""
+    angles = torch.rand(batch, tokens, HEAD_DIM // 2, generator=torch.Generator().manual_seed(9)) * 6
+    return torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], -1).reshape(
+        batch, 1, tokens, HEAD_DIM // 2, 2, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_flux_blocks_norm_and_rope_into_the_attentions_q_and_k(dtype, qk_norms_on, flux_math):
+    """With ComfyUI's attention function and rope, both blocks hand optimized_attention a q and k
+    of [B, L, H, D] memory (the double block's text and image rows in one tensor) that the QK
+    norm + RoPE kernel wrote, and their outputs match ComfyUI's forward (norm, cat, RoPE)."""
+    model = FluxModel(dtype)
+    patcher = FakePatcher(model)
+    pfn.patch_fused_norms(patcher, "Flux #test")
+    double = patcher.object_patches["diffusion_model.double_blocks.0.forward"]
+    single = patcher.object_patches["diffusion_model.single_blocks.0.forward"]
+    call = dict(flux_call(dtype), pe=flux_pe(1, 10))
+    tol = 1e-6 if dtype == torch.float32 else 0.0
+    for _ in range(2):  # the checked call, then a served one
+        ref = model.double_blocks[0].forward(**{k: v.clone() for k, v in call.items()})
+        flux_math.calls.clear()
+        out = double(**{k: v.clone() for k, v in call.items()})
+        assert all(_rel(a, b) <= tol for a, b in zip(out, ref)), [_rel(a, b) for a, b in zip(out, ref)]
+        x = torch.cat((call["txt"], call["img"]), 1)
+        ref1 = model.single_blocks[0].forward(x.clone(), vec=call["vec"], pe=call["pe"])
+        out1 = single(x.clone(), vec=call["vec"], pe=call["pe"])
+        assert _rel(out1, ref1) <= tol
+    # The served calls' q and k: [B, H, L, D] views of [B, L, H, D] memory, 3 + 7 rows in one.
+    blhd = (10 * HEADS * HEAD_DIM, HEAD_DIM, HEADS * HEAD_DIM, 1)
+    assert flux_math.calls[0] == dict(q_stride=blhd, k_stride=blhd, shape=(1, HEADS, 10, HEAD_DIM)), flux_math.calls
+    # calls[1]: ComfyUI's own single block (the reference), q contiguous [B, H, L, D]
+    assert flux_math.calls[1]["q_stride"] != blhd and flux_math.calls[2]["q_stride"] == blhd, flux_math.calls
+    assert _norms()["handed_back"] == 0
+
+
+def test_flux_rope_fusion_stays_off_where_it_must(monkeypatch, qk_norms_on, flux_math):
+    """Off by TRITON_ACCEL_FUSED_ROPE, without pe, with another attention function, or with
+    another node's patch on a QKNorm: the block then runs the norm, cat and ComfyUI's RoPE."""
+    model = FluxModel()
+    patcher = FakePatcher(model)
+    pfn.patch_fused_norms(patcher, "Flux #test")
+    block = model.double_blocks[0]
+    norms = (block.img_attn.norm, block.txt_attn.norm)
+    pe = flux_pe(1, 10)
+    assert pfn._rope_refusal(block, norms, pe) is None
+    assert pfn._rope_refusal(block, norms, None) == "no rope"
+    assert patcher.object_patches["diffusion_model.double_blocks.0.forward"].fuse_rope
+    monkeypatch.setenv("TRITON_ACCEL_FUSED_ROPE", "0")  # read when the node patches
+    off = FakePatcher(FluxModel())
+    pfn.patch_fused_norms(off, "Flux #test")
+    patch = off.object_patches["diffusion_model.double_blocks.0.forward"]
+    assert not patch.fuse_rope and "TRITON_ACCEL_FUSED_ROPE" in pfn._rope_refusal(block, norms, pe, patch.fuse_rope)
+    monkeypatch.delenv("TRITON_ACCEL_FUSED_ROPE")
+    block.img_attn.norm.forward = lambda q, k, v: (q, k)  # another node's object patch
+    assert "another node" in pfn._rope_refusal(block, norms, pe)
+    del block.img_attn.norm.forward
+    guarded = pfn.FusedQKNorm("Flux #test", "x", block.img_attn.norm, block.img_attn.norm.forward)
+    block.img_attn.norm.forward = guarded  # ours: still fused
+    assert pfn._rope_refusal(block, norms, pe) is None
+    del block.img_attn.norm.forward
+    import sys
+    monkeypatch.setattr(sys.modules[__name__], "attention", lambda q, k, v, pe, mask=None, transformer_options={}: q)
+    assert "not ComfyUI's flux attention" in pfn._rope_refusal(block, norms, pe)
+
+
+def test_flux_rope_call_the_kernel_refuses_runs_comfyuis_way(monkeypatch, qk_norms_on, flux_math):
+    """A head dim the QK norm + RoPE kernel does not take (48 here): that call runs the norm,
+    then ComfyUI's attention with its RoPE, and still matches ComfyUI's forward."""
+    from triton_accel.kernels import qk_norm_rope as qnr
+
+    monkeypatch.setattr(qnr, "HEAD_DIMS", (64,))
+    model = FluxModel()
+    patcher = FakePatcher(model)
+    pfn.patch_fused_norms(patcher, "Flux #test")
+    single = patcher.object_patches["diffusion_model.single_blocks.0.forward"]
+    call = flux_call()
+    x = torch.cat((call["txt"], call["img"]), 1)
+    pe = flux_pe(1, 10)
+    for _ in range(2):
+        ref = model.single_blocks[0].forward(x.clone(), vec=call["vec"], pe=pe)
+        out = single(x.clone(), vec=call["vec"], pe=pe)
+        assert _rel(out, ref) <= 1e-6
+    assert all(c["q_stride"][-2] == HEAD_DIM for c in flux_math.calls)  # [B, H, L, D]: not the fused layout
+    assert _norms()["handed_back"] == 0

@@ -137,7 +137,8 @@ def main():
     fp8q = kernel("attention_fp8_quant")
     # (module, compile_specs kwargs): the row kernels at Wan 14B's width, the QK norm at Flux's head dim
     norm_kernels = ((kernel("norm_rope"), {"channels": 5120}), (kernel("layer_norm_modulate"), {"channels": 5120}),
-                    (kernel("qk_norm"), {"head_dim": 128}), (kernel("gated_residual_norm"), {"channels": 5120}))
+                    (kernel("qk_norm"), {"head_dim": 128}), (kernel("gated_residual_norm"), {"channels": 5120}),
+                    (kernel("qk_norm_rope"), {"head_dim": 128}))
     gpu_rules = kernel("gpu_rules")
     report = {"triton": triton.__version__, "triton_file": triton.__file__, "features": features(tl),
               "import_seconds": round(time.time() - t_import, 2), "refused": {}, "cases": []}
@@ -220,6 +221,10 @@ def main():
                 for fn, sig, constexprs, attrs, opts in module.compile_specs(dtype="bf16", fp8_rows=True, **kwargs):
                     build(name, "fused_norms_fp8_rows", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
                           (fn, sig, constexprs, attrs), opts, target)
+            # Flux's single block: linear2's concatenated input with its e4m3 rows.
+            for fn, sig, constexprs, attrs, opts in kernel("cat_fp8_rows").compile_specs(dtype="bf16"):
+                build(name, "fused_norms_fp8_rows", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
+                      (fn, sig, constexprs, attrs), opts, target)
     print("RESULT " + json.dumps(report), flush=True)
 
 

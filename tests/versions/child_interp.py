@@ -123,6 +123,7 @@ def main():
     for name, run in (("fused_rms_norm_rope_fp16", _rms_norm_rope_case),
                       ("fused_layer_norm_modulate_fp16", _layer_norm_modulate_case),
                       ("fused_qk_rms_norm_fp16", _qk_rms_norm_case),
+                      ("fused_qk_rms_norm_rope_fp16", _qk_rms_norm_rope_case),
                       ("fused_gated_residual_norm_fp16", _gated_residual_norm_case)):
         rec = {"name": name, "tol": FUSED_NORM_TOL, "kernel": name[len("fused_"):-len("_fp16")]}
         t = time.time()
@@ -152,6 +153,19 @@ def _qk_rms_norm_case(torch):
     wq, wk = rand((64,), torch.float32, 12).abs().half() + 0.5, rand((64,), torch.float32, 13).abs().half() + 0.5
     out, ref = qkn.qk_rms_norm(q, k, wq, wk, 1e-6), qkn.qk_rms_norm_ref(q, k, wq, wk, 1e-6)
     return torch.cat([o.flatten() for o in out]), torch.cat([r.flatten() for r in ref])
+
+
+def _qk_rms_norm_rope_case(torch):
+    qnr = importlib.import_module("ta_interp.kernels.qk_norm_rope")
+    q, k, _v = (rand((2, 13, 3 * 3 * 64), torch.float16, 19) * 3).view(2, 13, 3, 3, 64).permute(2, 0, 3, 1, 4)
+    wq, wk = rand((64,), torch.float32, 20).abs().half() + 0.5, rand((64,), torch.float32, 21).abs().half() + 0.5
+    angles = rand((1, 1, 17, 32), torch.float32, 22)
+    pe = torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], -1).reshape(1, 1, 17, 32, 2, 2)
+    qo = torch.empty(2, 17, 3, 64, dtype=torch.float16).transpose(1, 2)
+    ko = torch.empty(2, 17, 3, 64, dtype=torch.float16).transpose(1, 2)
+    qnr.qk_rms_norm_rope(q, k, wq, wk, 1e-6, pe, qo, ko, 4)  # rows 4..16 of a 17-token sequence
+    ref = qnr.qk_rms_norm_rope_ref(q, k, wq, wk, 1e-6, pe, 4)
+    return torch.cat([o[:, :, 4:].flatten() for o in (qo, ko)]), torch.cat([r.flatten() for r in ref])
 
 
 def _layer_norm_modulate_case(torch):

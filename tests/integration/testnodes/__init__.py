@@ -183,7 +183,7 @@ class TritonAccelTestAttentionProbe:
 class TritonAccelTestFusedNorms:
     """One of the pack's patch nodes run with TRITON_ACCEL_FUSED_NORMS=fused_norms (all, the
     default: Wan blocks, Flux-layer QKNorms and blocks; qk: no Flux-layer blocks; blocks: Wan
-    blocks only; off: none; the variable is read when
+    blocks only; off: none) and TRITON_ACCEL_FUSED_ROPE=fused_rope (the variables are read when
     the node patches), optionally with a pass-through attn1 patch of "another node" added
     first (calls carrying one must go to ComfyUI's block forward)."""
 
@@ -193,13 +193,14 @@ class TritonAccelTestFusedNorms:
                              "node": (["TritonAccelPatchAttention", "TritonAccelPatch"],),
                              "attn1_patch": ("BOOLEAN", {"default": False}),
                              "fused_norms": (["all", "qk", "blocks", "off"], {"default": "all"})},
-                "optional": {"settings": ("TRITON_ACCEL_SETTINGS",)}}
+                "optional": {"settings": ("TRITON_ACCEL_SETTINGS",),
+                             "fused_rope": ("BOOLEAN", {"default": True})}}
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "patch"
     CATEGORY = "Triton Accel tests"
 
-    def patch(self, model, node, attn1_patch, fused_norms="all", settings=None):
+    def patch(self, model, node, attn1_patch, fused_norms="all", settings=None, fused_rope=True):
         import os
 
         import nodes
@@ -207,19 +208,20 @@ class TritonAccelTestFusedNorms:
         if attn1_patch:
             model = model.clone()
             model.set_model_attn1_patch(lambda args: args["x"])
-        name = "TRITON_ACCEL_FUSED_NORMS"
-        before = os.environ.get(name)
-        os.environ[name] = fused_norms
+        values = {"TRITON_ACCEL_FUSED_NORMS": fused_norms, "TRITON_ACCEL_FUSED_ROPE": "1" if fused_rope else "0"}
+        before = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
         try:
             kwargs = {"settings": settings} if settings is not None else {}
             if node == "TritonAccelPatch":
                 kwargs.update(skip="auto", min_tokens=1)
             out = nodes.NODE_CLASS_MAPPINGS[node]().patch(model, **kwargs)
         finally:
-            if before is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = before
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         return out["result"] if isinstance(out, dict) else out
 
 
