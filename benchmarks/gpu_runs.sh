@@ -35,6 +35,7 @@
 #                                           profiled step each
 #   bash benchmarks/gpu_runs.sh s35g        FP8 attention with / without the outlier side operands; Flux default / Patch /
 #                                           Patch+norope / Patch / default (one call within ~450 s)
+#   bash benchmarks/gpu_runs.sh s35h        s35g's Flux part alone (~300 s)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -159,6 +160,10 @@ s35g)
     e2e e2e_flux35g 300 --models flux --variants default ours-all ours-all+norope ours-all default --steps 5
     grep -h "stays eager\|recorded as a CUDA graph\|fused norms\|go to ComfyUI" /tmp/e2e_flux35g/run.log | sort | uniq -c \
         | head ;;
+s35h)
+    e2e e2e_flux35h 330 --models flux --variants default ours-all ours-all+norope ours-all default --steps 5
+    grep -h "stays eager\|recorded as a CUDA graph\|fused norms\|go to ComfyUI" /tmp/e2e_flux35h/run.log | sort | uniq -c \
+        | head ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
 s35f)
@@ -169,5 +174,5 @@ s35f)
     e2e e2e_flux35f 300 --models flux --variants default ours-all ours-all+norope ours-all+norope ours-all default \
         --steps 6
     grep -h "stays eager\|recorded as a CUDA graph\|fused norms" /tmp/e2e_flux35f/run.log | sort | uniq -c | head ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35w, s35f"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35w, s35f"; exit 2 ;;
 esac

@@ -177,3 +177,16 @@ def test_op_traces_with_fake_tensors_and_runs_under_torch_compile():
     compiled = torch.compile(block, backend="eager", fullgraph=True)
     for a, b in zip(compiled(q, k), block(q, k)):
         assert torch.equal(a, b)
+
+
+def test_one_pe_for_every_batch_element():
+    """ComfyUI builds pe once for a batch whose elements share positions ([1, 1, L, D/2, 2, 2])."""
+    dtype = torch.float16
+    q, k, _v = stream_qkv(3, 6, 2, 64, dtype, seed=7)
+    w = torch.ones(64, dtype=dtype)
+    pe = flux_pe(1, 6, 64)
+    q_out, k_out = bhld_as_blhd(3, 2, 6, 64, dtype), bhld_as_blhd(3, 2, 6, 64, dtype)
+    qnr.qk_rms_norm_rope(q, k, w, w, 1e-6, pe, q_out, k_out, 0)
+    rq, rk = comfy_qk(q, k, w, w, 1e-6, pe)
+    check(q_out, rq, dtype)
+    check(k_out, rk, dtype)

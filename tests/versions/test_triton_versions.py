@@ -113,10 +113,11 @@ def test_kernels_compile_where_the_registry_serves(matrix, minor, target):
             "_fp8_stats_kernel", "_fp8_finalize_kernel", "_fp8_quant_kernel"}, cases
     if target in ("sm89", "sm90"):
         assert {c["case"] for c in wanted if c["kernel"] == "fused_norms_fp8_rows"} == {
-            "_layer_norm_modulate", "_gated_residual_norm"}, cases
+            "_layer_norm_modulate", "_gated_residual_norm", "_cat_fp8_rows"}, cases
     if target in ("sm86", "gfx1100"):  # child_compile.FUSED_NORM_TARGETS (that module reads argv at import)
         assert {c["case"] for c in wanted if c["kernel"] == "fused_norms"} == {
-            "_rms_norm_rope", "_layer_norm_modulate", "_qk_rms_norm", "_gated_residual_norm"}, cases
+            "_rms_norm_rope", "_layer_norm_modulate", "_qk_rms_norm", "_gated_residual_norm",
+            "_qk_rms_norm_rope"}, cases
         assert {c["case"] for c in wanted if c["kernel"] == "fused_norms_flux"} == {
             "_layer_norm_modulate", "_gated_residual_norm"}, cases
     failed = [f"{c['kernel']} {c['case']}: {c['error']}" for c in wanted if not c["ok"]]
