@@ -83,10 +83,13 @@ def launch(plan: Plan, device_index: int, args: tuple) -> None:
 
 
 def record(key, kernel, grid: tuple, consts: tuple, args: tuple, out_index: int | None = None,
-           out: torch.Tensor | None = None, rebind=None) -> None:
+           out: torch.Tensor | None = None, rebind=None, written=None) -> None:
     """After a JIT launch of `key` wrote args[out_index]: remember it, or verify the plan.
     Where the output reaches the kernel inside another argument (a TMA descriptor), pass the
-    output tensor as `out` and `rebind(probe)`: the same args writing to `probe` instead."""
+    output tensor as `out` and `rebind(probe)`: the same args writing to `probe` instead.
+    `written(t)`: the part of the output the kernel writes, where it writes only part of it
+    (kernels/qk_norm_rope.py fills rows offset.. of a buffer another launch fills the rest of):
+    only that part of the probe is compared, the rest of it was never written."""
     global ENABLED
     if kernel is None or not ENABLED:
         return
@@ -105,7 +108,7 @@ def record(key, kernel, grid: tuple, consts: tuple, args: tuple, out_index: int 
         probe_args = rebind(probe)
     try:
         launch(plan, out.device.index, tuple(probe_args))
-        same = torch.equal(probe, out)
+        same = torch.equal(probe, out) if written is None else torch.equal(written(probe), written(out))
     except Exception as e:  # a Triton version whose launcher differs: keep the JIT path
         log.warning("direct kernel launch unavailable (%s: %s); using Triton's JIT launch", type(e).__name__, e)
         same = False
@@ -129,14 +132,15 @@ def signature_key(name: str, args: tuple) -> tuple:
                     else a if isinstance(a, int) else float for a in args])
 
 
-def jit_or_plan(kernel, grid: tuple, args: tuple, consts: dict, out_index: int, name: str, **options) -> Plan | None:
+def jit_or_plan(kernel, grid: tuple, args: tuple, consts: dict, out_index: int, name: str, written=None,
+                **options) -> Plan | None:
     """kernel[grid](*args, **consts, **options) through Triton's JIT launch, or, from the
     third call of one signature on (the second verifies it), the compiled kernel launched
     directly. The signature is the grid, the constexpr values, the options and
     signature_key(args): a grid or constexpr the caller derives from something outside the
     args (a batch size, whether a pointer is a placeholder) still gets its own plan.
-    `consts` must name every constexpr of the kernel. Returns the signature's verified plan,
-    or None while it has none (see SiteMemo)."""
+    `consts` must name every constexpr of the kernel; `written` as record()'s. Returns the
+    signature's verified plan, or None while it has none (see SiteMemo)."""
     out = args[out_index]
     if not usable(out):
         kernel[grid](*args, **consts, **options)
@@ -150,7 +154,7 @@ def jit_or_plan(kernel, grid: tuple, args: tuple, consts: dict, out_index: int, 
     if plan is not None:
         launch(plan, out.device.index, args)
         return plan
-    record(key, kernel[grid](*args, **consts, **options), grid, values, args, out_index=out_index)
+    record(key, kernel[grid](*args, **consts, **options), grid, values, args, out_index=out_index, written=written)
     return lookup(key)
 
 

@@ -169,8 +169,10 @@ def _launch(q, k, q_weight, k_weight, eps: float, freqs, q_out, k_out, offset: i
             sk[2], so[0], so[1], so[2], stride_fb, table.stride(1), int(offset), float(eps))
     consts = dict(D=d, BLOCK_R=ROWS_PER_PROGRAM, ALIGN_Q=_row_alignment(q), ALIGN_K=_row_alignment(k),
                   EXACT_BF16=exact_bf16(q))
+    # The kernel writes rows offset..offset + L of q_out (a double block's other stream fills
+    # the rest): the direct launch's verification compares those rows only.
     direct_launch.jit_or_plan(_qk_rms_norm_rope, (cdiv(rows, ROWS_PER_PROGRAM),), args, consts, 4,
-                              "qk_rms_norm_rope", num_warps=4)
+                              "qk_rms_norm_rope", written=lambda t: t[:, :, offset:offset + length], num_warps=4)
 
 
 refusal = row_kernel_refusal  # why a device cannot run the kernel (None: it can)

@@ -190,3 +190,27 @@ def test_one_pe_for_every_batch_element():
     rq, rk = comfy_qk(q, k, w, w, 1e-6, pe)
     check(q_out, rq, dtype)
     check(k_out, rk, dtype)
+
+
+def test_direct_launch_verification_compares_the_rows_the_kernel_writes(monkeypatch):
+    """The kernel fills rows offset..offset + L of a buffer (the other stream fills the rest), so
+    its direct launch is verified on those rows only: a probe launched into a fresh tensor leaves
+    the other rows unwritten, and comparing them disabled direct launches for the whole process
+    (the first H100 run of this kernel, session 35). A launch that writes other values in those
+    rows still disagrees. `launch` is faked (no GPU here); the bookkeeping is direct_launch's."""
+    from triton_accel.kernels import direct_launch as dl
+
+    monkeypatch.setattr(dl, "ENABLED", True)
+    monkeypatch.setattr(dl, "_plans", {})
+    rows = (1, 3)
+
+    def run(value, written):
+        out = torch.full((4, 3), 7.0)
+        out[rows[0]:rows[1]] = 1.0  # what the JIT launch wrote
+        monkeypatch.setattr(dl, "launch", lambda plan, index, args: args[0][rows[0]:rows[1]].fill_(value))
+        for _ in range(2):  # remembered, then verified against the JIT launch's output
+            dl.record(("key", value, written is None), object(), (1,), (), (out,), out_index=0, written=written)
+        return dl.ENABLED
+
+    assert run(1.0, lambda t: t[rows[0]:rows[1]]) and dl._plans[("key", 1.0, False)].verified
+    assert not run(2.0, lambda t: t[rows[0]:rows[1]])  # wrong values in the written rows
