@@ -40,6 +40,7 @@
 #                                           default; Wan default / Patch; the FP8 attention with / without side operands
 #   bash benchmarks/gpu_runs.sh s35j        after the direct-launch fix: Flux default / Patch / Patch eager (+nograph) /
 #                                           default; Wan default / Patch (~250 s)
+#   bash benchmarks/gpu_runs.sh s35k        s35j's Flux part alone (~90 s)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -179,6 +180,9 @@ s35j)
     e2e e2e_flux35j 150 --models flux --variants default ours-all ours-all+nograph default --steps 5
     grep -h "direct kernel launch\|recorded as a CUDA graph" /tmp/e2e_flux35j/run.log | sort | uniq -c | head -5
     e2e e2e_wan35j 200 --models wan --variants default ours-all --steps 3 ;;
+s35k)
+    e2e e2e_flux35k 150 --models flux --variants default ours-all ours-all+nograph default --steps 5
+    grep -h "direct kernel launch\|recorded as a CUDA graph" /tmp/e2e_flux35k/run.log | sort | uniq -c | head -5 ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
 s35f)
@@ -189,5 +193,5 @@ s35f)
     e2e e2e_flux35f 300 --models flux --variants default ours-all ours-all+norope ours-all+norope ours-all default \
         --steps 6
     grep -h "stays eager\|recorded as a CUDA graph\|fused norms" /tmp/e2e_flux35f/run.log | sort | uniq -c | head ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35i, s35j, s35w, s35f"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35i, s35j, s35k, s35w, s35f"; exit 2 ;;
 esac
