@@ -31,13 +31,9 @@
 #                                           Linear table; Flux default / Patch / Patch+norope / Linear / fp8_e4m3fn_fast /
 #                                           Patch / default
 #   bash benchmarks/gpu_runs.sh s35w        Wan default / Patch / fp8_e4m3fn_fast (issue 12's Wan row)
-#   bash benchmarks/gpu_runs.sh s35f        Flux: the QK norm + RoPE fusion on / off (ABBA) beside the default, one
-#                                           profiled step each
 #   bash benchmarks/gpu_runs.sh s35g        FP8 attention with / without the outlier side operands; Flux default / Patch /
 #                                           Patch+norope / Patch / default (one call within ~450 s)
 #   bash benchmarks/gpu_runs.sh s35h        s35g's Flux part alone (~300 s)
-#   bash benchmarks/gpu_runs.sh s35i        after the direct-launch fix: Flux default / Patch / Patch+norope / Patch /
-#                                           default; Wan default / Patch; the FP8 attention with / without side operands
 #   bash benchmarks/gpu_runs.sh s35j        after the direct-launch fix: Flux default / Patch / Patch eager (+nograph) /
 #                                           default; Wan default / Patch (~250 s)
 #   bash benchmarks/gpu_runs.sh s35k        s35j's Flux part alone (~90 s)
@@ -169,13 +165,6 @@ s35h)
     e2e e2e_flux35h 330 --models flux --variants default ours-all ours-all+norope ours-all default --steps 5
     grep -h "stays eager\|recorded as a CUDA graph\|fused norms\|go to ComfyUI" /tmp/e2e_flux35h/run.log | sort | uniq -c \
         | head ;;
-s35i)
-    e2e e2e_flux35i 200 --models flux --variants default ours-all ours-all+norope ours-all default --steps 5
-    grep -h "direct launch\|recorded as a CUDA graph" /tmp/e2e_flux35i/run.log | sort | uniq -c | head -5
-    e2e e2e_wan35i 200 --models wan --variants default ours-all --steps 3
-    timeout 80 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan --bf16-shapes "" \
-      --configs sm90_lean,sm90_lean@n0 --rep 50 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
-    grep -A30 "== accuracy" $R/gluon.txt ;;
 s35j)
     e2e e2e_flux35j 150 --models flux --variants default ours-all ours-all+nograph default --steps 5
     grep -h "direct kernel launch\|recorded as a CUDA graph" /tmp/e2e_flux35j/run.log | sort | uniq -c | head -5
@@ -185,13 +174,5 @@ s35k)
     grep -h "direct kernel launch\|recorded as a CUDA graph" /tmp/e2e_flux35k/run.log | sort | uniq -c | head -5 ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-s35f)
-    export E2E_KPROFILE=/tmp/kprof; mkdir -p /tmp/kprof
-    e2e e2e_flux35k 200 --models flux --variants ours-all ours-all+norope --steps 4
-    tar czf $R/kprof.tgz -C /tmp kprof; grep -h "device total\|timeline" /tmp/kprof/*.txt
-    export E2E_KPROFILE=
-    e2e e2e_flux35f 300 --models flux --variants default ours-all ours-all+norope ours-all+norope ours-all default \
-        --steps 6
-    grep -h "stays eager\|recorded as a CUDA graph\|fused norms" /tmp/e2e_flux35f/run.log | sort | uniq -c | head ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35i, s35j, s35k, s35w, s35f"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w"; exit 2 ;;
 esac

@@ -84,7 +84,9 @@ if triton is not None:
         _rms_rows(K, WK, KO, r64, row_ok, cols, col_ok, H, L, skb, skh, skl, eps, D, ALIGN_K, EXACT_BF16)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> None:
+    """Raises QKNormInputError (with the reason) unless q, k [B, H, L, D] and their weights are a
+    call the QK norm kernels serve (this file's and qk_norm_rope.py's)."""
     if q.dtype not in DTYPES or k.dtype != q.dtype:
         raise QKNormInputError(f"q and k must share a float16/bfloat16/float32 dtype (got {q.dtype}, {k.dtype})")
     if q.dim() != 4 or k.shape != q.shape:
@@ -122,7 +124,7 @@ def _launch(q, k, q_weight, k_weight, eps: float):
             direct_launch.launch(plan, index, (q, k, q_weight, k_weight, qo, ko, heads, length, rows, sq[0], sq[1],
                                                sq[2], sk[0], sk[1], sk[2], float(eps)))
             return qo, ko
-    _check(q, k, q_weight, k_weight)
+    check_inputs(q, k, q_weight, k_weight)
     bsz, heads, length, d = q.shape
     qo = torch.empty((bsz, heads, length, d), dtype=q.dtype, device=q.device)
     ko = torch.empty_like(qo)
@@ -132,8 +134,8 @@ def _launch(q, k, q_weight, k_weight, eps: float):
     sq, sk = q.stride(), k.stride()
     args = (q, k, q_weight, k_weight, qo, ko, heads, length, rows, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
             float(eps))
-    consts = dict(D=d, BLOCK_D=next_pow2(d, 1), BLOCK_R=ROWS_PER_PROGRAM, ALIGN_Q=_row_alignment(q, sq),
-                  ALIGN_K=_row_alignment(k, sk), EXACT_BF16=exact_bf16(q))
+    consts = dict(D=d, BLOCK_D=next_pow2(d, 1), BLOCK_R=ROWS_PER_PROGRAM, ALIGN_Q=row_alignment(q),
+                  ALIGN_K=row_alignment(k), EXACT_BF16=exact_bf16(q))
     plan = direct_launch.jit_or_plan(_qk_rms_norm, (cdiv(rows, ROWS_PER_PROGRAM),), args, consts, 4, "qk_rms_norm",
                                      num_warps=4)
     if plan is not None and fingerprint is not None:
@@ -141,11 +143,11 @@ def _launch(q, k, q_weight, k_weight, eps: float):
     return qo, ko
 
 
-def _row_alignment(x: torch.Tensor, strides: tuple) -> int:
-    """Elements every head row's start is a multiple of (up to 16 bytes' worth): the ALIGN
-    hint. 1 when the base pointer or a stride breaks 16-byte alignment."""
+def row_alignment(x: torch.Tensor) -> int:
+    """Elements every head row's start of [B, H, L, D] x is a multiple of (up to 16 bytes'
+    worth): the ALIGN hint. 1 when the base pointer or a stride breaks 16-byte alignment."""
     vector = 16 // x.element_size()
-    ok = x.data_ptr() % 16 == 0 and strides[0] % vector == 0 and strides[1] % vector == 0 and strides[2] % vector == 0
+    ok = x.data_ptr() % 16 == 0 and all(s % vector == 0 for s in x.stride()[:3])
     return vector if ok else 1
 
 
@@ -156,7 +158,7 @@ def qk_rms_norm_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 reference, as ComfyUI computes it: torch's rms_norm over the head dim in the
     input dtype (one rounding)."""
-    _check(q, k, q_weight, k_weight)
+    check_inputs(q, k, q_weight, k_weight)
     d = q.shape[-1]
     return tuple(torch.nn.functional.rms_norm(x.float(), (d,), w.float(), eps).to(q.dtype)
                  for x, w in ((q, q_weight), (k, k_weight)))
@@ -189,7 +191,7 @@ def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
     if reason is not None:
         raise QKNormInputError(reason)
     if _REGISTRATION_ERROR is None and torch.compiler.is_compiling():
-        _check(q, k, q_weight, k_weight)
+        check_inputs(q, k, q_weight, k_weight)
         return tuple(torch.ops.triton_accel.qk_rms_norm(q, k, q_weight, k_weight, float(eps)))
     # Eager calls skip the custom op's dispatch (tens of host microseconds: Flux makes ~76 of
     # these calls a step, and its step is host-bound); _launch checks the inputs.

@@ -41,9 +41,10 @@ except Exception:  # the registry reports why; importing the pack must still wor
     triton = None
     tl = None
 
-from . import direct_launch
+from . import direct_launch, qk_norm
 from .kernel_common import cdiv, exact_bf16, row_kernel_refusal
 from .norm_rope import NormRopeInputError, freqs_table
+from .qk_norm import row_alignment
 
 if triton is not None:
     from .kernel_common import to_output_dtype
@@ -57,7 +58,6 @@ HEAD_DIMS = (32, 64, 128, 256)
 # Head rows per program, as kernels/qk_norm.py: 8 KB of bf16 q and k at D = 128 and each row's
 # 1 KB of fp32 rope coefficients in flight per program.
 ROWS_PER_PROGRAM = 32
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class QKNormRopeInputError(NormRopeInputError):
@@ -122,22 +122,20 @@ def rope_table(freqs: torch.Tensor, batch: int, tokens: int, head_dim: int) -> t
 
 
 def _check(q, k, q_weight, k_weight, q_out, k_out, offset: int) -> None:
-    if q.dtype not in DTYPES or k.dtype != q.dtype:
-        raise QKNormRopeInputError(f"q and k must share a float16/bfloat16/float32 dtype (got {q.dtype}, {k.dtype})")
-    if q.dim() != 4 or k.shape != q.shape:
-        raise QKNormRopeInputError(f"q and k must be [B, H, L, D] of one shape (got {tuple(q.shape)}, "
-                                   f"{tuple(k.shape)})")
+    # q, k and the weights as the QK norm takes them (its checks and reasons), then what the
+    # rotation and the written-into outputs add.
+    try:
+        qk_norm.check_inputs(q, k, q_weight, k_weight)
+    except qk_norm.QKNormInputError as e:
+        raise QKNormRopeInputError(e.reason) from None
     bsz, heads, length, d = q.shape
     if d not in HEAD_DIMS:
         raise QKNormRopeInputError(f"head dim {d}: the kernel takes {', '.join(map(str, HEAD_DIMS))}")
-    for t, name in ((q, "q"), (k, "k"), (q_out, "q_out"), (k_out, "k_out")):
+    for t, name in ((q_out, "q_out"), (k_out, "k_out")):
         if t.stride(-1) != 1:
             raise QKNormRopeInputError(f"{name} needs a contiguous head dim")
         if t.device != q.device:
             raise QKNormRopeInputError(f"{name} on {t.device}, q on {q.device}")
-    for w, name in ((q_weight, "q"), (k_weight, "k")):
-        if w is None or w.shape != (d,) or w.device != q.device or w.dtype != q.dtype:
-            raise QKNormRopeInputError(f"the {name} norm weight must be [{d}] {q.dtype} on {q.device}")
     for t, name in ((q_out, "q_out"), (k_out, "k_out")):
         if t.dtype != q.dtype or t.dim() != 4 or t.shape[:2] != (bsz, heads) or t.shape[3] != d:
             raise QKNormRopeInputError(f"{name} must be [{bsz}, {heads}, L, {d}] {q.dtype}")
@@ -147,13 +145,6 @@ def _check(q, k, q_weight, k_weight, q_out, k_out, offset: int) -> None:
         raise QKNormRopeInputError(f"rows {offset}..{offset + length} do not fit the output's {q_out.shape[2]}")
 
 
-def _row_alignment(x: torch.Tensor) -> int:
-    """Elements every head row's start is a multiple of (up to 16 bytes' worth): the ALIGN hint."""
-    vector = 16 // x.element_size()
-    ok = x.data_ptr() % 16 == 0 and all(s % vector == 0 for s in x.stride()[:3])
-    return vector if ok else 1
-
-
 def _launch(q, k, q_weight, k_weight, eps: float, freqs, q_out, k_out, offset: int) -> None:
     _check(q, k, q_weight, k_weight, q_out, k_out, offset)
     bsz, heads, length, d = q.shape
@@ -161,13 +152,13 @@ def _launch(q, k, q_weight, k_weight, eps: float, freqs, q_out, k_out, offset: i
     rows = bsz * heads * length
     if rows == 0:
         return
-    if _row_alignment(q_out) == 1 or _row_alignment(k_out) == 1:
+    if row_alignment(q_out) == 1 or row_alignment(k_out) == 1:
         raise QKNormRopeInputError("q_out / k_out rows must start 16-byte aligned")
     sq, sk, so = q.stride(), k.stride(), q_out.stride()
     stride_fb = table.stride(0) if table.shape[0] > 1 else 0
     args = (q, k, q_weight, k_weight, q_out, k_out, table, heads, length, rows, sq[0], sq[1], sq[2], sk[0], sk[1],
             sk[2], so[0], so[1], so[2], stride_fb, table.stride(1), int(offset), float(eps))
-    consts = dict(D=d, BLOCK_R=ROWS_PER_PROGRAM, ALIGN_Q=_row_alignment(q), ALIGN_K=_row_alignment(k),
+    consts = dict(D=d, BLOCK_R=ROWS_PER_PROGRAM, ALIGN_Q=row_alignment(q), ALIGN_K=row_alignment(k),
                   EXACT_BF16=exact_bf16(q))
     # The kernel writes rows offset..offset + L of q_out (a double block's other stream fills
     # the rest): the direct launch's verification compares those rows only.
