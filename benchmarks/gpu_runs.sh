@@ -37,6 +37,10 @@
 #   bash benchmarks/gpu_runs.sh s35j        after the direct-launch fix: Flux default / Patch / Patch eager (+nograph) /
 #                                           default; Wan default / Patch (~250 s)
 #   bash benchmarks/gpu_runs.sh s35k        s35j's Flux part alone (~90 s)
+#   bash benchmarks/gpu_runs.sh s36         on an H200: s35; on any other card: the FP8 attention table (lean, 1/8 and 2/8
+#                                           of P's exponentials by a polynomial), Wan default / Patch / Patch+lean_poly12,
+#                                           Flux default / Patch eager (the direct-launch fix)
+#   bash benchmarks/gpu_runs.sh s36w        lean against its polynomial-exponential variants, then s35w
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -172,7 +176,22 @@ s35j)
 s35k)
     e2e e2e_flux35k 150 --models flux --variants default ours-all ours-all+nograph default --steps 5
     grep -h "direct kernel launch\|recorded as a CUDA graph" /tmp/e2e_flux35k/run.log | sort | uniq -c | head -5 ;;
+s36)  # whichever card came: an H200 runs issue 12's table (s35), anything else the polynomial-exponential table
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s35; fi
+    timeout 140 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan --bf16-shapes "" \
+      --configs sm90_lean,sm90_lean_poly12,sm90_lean_poly25 --rep 100 --acc-heads 1 --small 0 \
+      --out $R > $R/gluon.txt 2>&1
+    grep -A40 "== accuracy" $R/gluon.txt
+    e2e e2e_wan36 290 --models wan --variants default ours-all ours-all+lean_poly12 --steps 3
+    e2e e2e_flux36 110 --models flux --variants default ours-all+nograph --steps 5
+    grep -h "direct kernel launch" /tmp/e2e_flux36/run.log | sort | uniq -c | head -5 ;;
+s36w)  # the FP8 loop with part of P's exponentials on the FMA pipe; then issue 12's Wan row (s35w)
+    timeout 150 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan --bf16-shapes "" \
+      --configs sm90_lean,sm90_lean_poly12,sm90_lean_poly25 --rep 100 --acc-heads 1 --small 0 \
+      --out $R > $R/gluon.txt 2>&1
+    grep -A40 "== accuracy" $R/gluon.txt
+    exec bash "$0" s35w ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36w"; exit 2 ;;
 esac

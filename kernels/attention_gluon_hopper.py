@@ -83,7 +83,7 @@ LOG2_P_SCALE = 8.8073
 # Wan 2.1 14B step 1975 ms against 2049 (two fresh processes each, the same accuracy), so
 # "sm90_lean" is the default (default_config). "sm90_lean_rowsum" fails the Gaussian accuracy
 # bar (cosine 0.974 at Wan: e4m3 row sums are too coarse).
-_LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False)
+_LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0)
 GLUON_CONFIGS = {
     "sm90": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24, **_LOOP_DEFAULTS),
     "sm90_two_level": dict(BLOCK_N=64, STAGES=3, TWO_LEVEL=True, CONSUMER_REGS=232, PRODUCER_REGS=24,
@@ -95,13 +95,73 @@ GLUON_CONFIGS = {
     "sm90_permp": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
                        **dict(_LOOP_DEFAULTS, PERM_P=True)),
     "sm90_lean": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
-                      UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False),
+                      UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=0),
     # lean + the row sums of P on the tensor cores (_pv_update's ROWSUM_MMA): 64 FADDs and 4
     # shuffles a tile become 4 wgmmas of N = 8; l then sums the e4m3 P that P.V multiplies.
     # 240 registers: at 232 ptxas (Triton 3.6) reloads a spilled value in the loop.
     "sm90_lean_rowsum": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=240, PRODUCER_REGS=24,
-                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=True),
+                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=True, POLY_EXP=0),
+    # lean with 1 (2) of every 8 exponentials of P on the FMA pipe (_exp2_p, POLY_EXP): at
+    # FP8 a 128 x 128 tile pair costs the tensor cores and the MUFU pipe about 1024 cycles
+    # each, and the measured ~2400 says they barely overlap; these move an eighth (a quarter)
+    # of the MUFU work to 7 full-rate instructions per element (FMNMX, 3 FADD, 2 FFMA, LEA in
+    # the SASS): 8 (16) MUFU.EX2 fewer and 56 (112) more FMA-pipe instructions per thread and
+    # tile, against lean's ~440. Opt-in until timed.
+    "sm90_lean_poly12": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
+                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=1),
+    "sm90_lean_poly25": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
+                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=2),
 }
+
+# POLY_EXP's exponential, 2^x for x <= LOG2_P_SCALE: x clamped at -126 (2^-126, the smallest
+# normal; the masked -inf keys land there and P's e4m3 cast makes them 0), rounded to the
+# nearest integer j by the 1.5 * 2^23 addition (j sits in t's low mantissa bits, f = x - j in
+# [-0.5, 0.5] is exact), 2^f by a degree-2 polynomial with p(0) = 1 fitted for relative error
+# (max 1.96e-3 in float32: P is then cast to e4m3, whose rounding is up to 3.1 %), and 2^j
+# added into the exponent field: bits(t) << 23 keeps j's low 9 bits, enough for j in
+# [-126, 9]. POLY_COEFFS is the torch twin's source (exp2_poly) and the asm's hex constants.
+POLY_COEFFS = (0.70294189453125, 0.2398640364408493)  # c1, c2 (float32-exact): 2^f ~ 1 + f (c1 + f c2)
+POLY_CLAMP = -126.0
+
+
+def _f32_hex(v: float) -> str:
+    import struct
+    return "0f" + struct.pack(">f", v).hex().upper()
+
+
+def _poly_asm(out: str, arg: str) -> str:
+    c1, c2 = (_f32_hex(c) for c in POLY_COEFFS)
+    return ("{ .reg .f32 x, t, j, f, p; .reg .b32 ti, pi; "
+            f"max.f32 x, {arg}, {_f32_hex(POLY_CLAMP)}; add.rn.f32 t, x, 0f4B400000; sub.rn.f32 j, t, 0f4B400000; "
+            f"sub.rn.f32 f, x, j; fma.rn.f32 p, f, {c2}, {c1}; fma.rn.f32 p, p, f, 0f3F800000; "
+            f"mov.b32 ti, t; mov.b32 pi, p; shl.b32 ti, ti, 23; add.s32 pi, pi, ti; mov.b32 {out}, pi; }} ")
+
+
+POLY_PACK = 8  # elements per inline-asm invocation: POLY_EXP counts in eighths
+
+
+def exp2_asm(poly_exp: int) -> str:
+    """The inline PTX of POLY_EXP = poly_exp (1..POLY_PACK): POLY_PACK elements an invocation
+    ($0.. out, $POLY_PACK.. in), the last poly_exp of them by the polynomial, the others by
+    ex2.approx (MUFU)."""
+    n = POLY_PACK
+    return "".join(f"ex2.approx.ftz.f32 ${i}, ${i + n}; " if i < n - poly_exp else _poly_asm(f"${i}", f"${i + n}")
+                   for i in range(n))
+
+
+def exp2_poly(x: torch.Tensor) -> torch.Tensor:
+    """The polynomial exponential of _poly_asm on float32 torch tensors, operation by operation
+    (tests compare it with 2^x and the asm's constants with POLY_COEFFS). fma.rn is emulated
+    in float64: the float32 product is exact there, the sum rounded twice (rarely 1 ulp off)."""
+    x = torch.clamp_min(x.float(), POLY_CLAMP)
+    t = x + 12582912.0
+    j = t - 12582912.0
+    f = x - j
+    c1, c2 = POLY_COEFFS
+    p = (f.double() * c2 + c1).float()
+    p = (p.double() * f.double() + 1.0).float()
+    bits = (p.view(torch.int32).long() + (t.view(torch.int32).long() << 23)) & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
 
 
 def loop_options(config: dict) -> dict:
@@ -208,6 +268,24 @@ def call_refusal(q, k, v, attn_mask=None, is_causal=False) -> str | None:
 
 
 if gluon is not None:
+    _EXP2_ASM_1 = gl.constexpr(exp2_asm(1))
+    _EXP2_ASM_2 = gl.constexpr(exp2_asm(2))
+    _EXP2_ASM_CONSTRAINTS = gl.constexpr(",".join(["=f"] * POLY_PACK + ["f"] * POLY_PACK))
+    _POLY_PACK = gl.constexpr(POLY_PACK)
+
+    @gluon.jit
+    def _exp2_p(x, POLY_EXP: gl.constexpr):
+        # P's exponentials: all on the MUFU pipe (16 a clock per SM), or POLY_EXP of every
+        # eight on the FMA pipe (exp2_asm; 7 full-rate instructions each, see POLY_COEFFS).
+        if POLY_EXP == 1:
+            return gl.inline_asm_elementwise(_EXP2_ASM_1, _EXP2_ASM_CONSTRAINTS, [x], dtype=gl.float32,
+                                             is_pure=True, pack=_POLY_PACK)
+        elif POLY_EXP == 2:
+            return gl.inline_asm_elementwise(_EXP2_ASM_2, _EXP2_ASM_CONSTRAINTS, [x], dtype=gl.float32,
+                                             is_pure=True, pack=_POLY_PACK)
+        else:
+            gl.static_assert(POLY_EXP == 0, "POLY_EXP is 0, 1 or 2 (eighths of P's exponentials)")
+            return gl.exp2(x)
 
     @gluon.jit
     def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
@@ -250,7 +328,7 @@ if gluon is not None:
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, c, cols, LK, acc, p_layout: gl.constexpr, o_layout: gl.constexpr,
                       BOUNDARY: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
-                      ROWSUM_MMA: gl.constexpr):
+                      ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr):
         # c = sq * sk > 0 de-quantises and holds sm_scale * log2(e): max(s) * c is the max of
         # the scaled scores and the de-quantising multiply folds into the exp2's argument.
         if BOUNDARY:
@@ -263,7 +341,7 @@ if gluon is not None:
             # program order, its 64 multiplies a thread can issue while the MUFU pipe works on
             # the exponentials instead of delaying the next P.V (they sat right before it).
             acc = acc * a
-        p = gl.exp2(s * c - gl.expand_dims(m_new - 8.8073, 1))  # in [0, 448]: LOG2_P_SCALE
+        p = _exp2_p(s * c - gl.expand_dims(m_new - 8.8073, 1), POLY_EXP)  # in [0, 448]: LOG2_P_SCALE
         if not ROWSUM_MMA:  # else the row sum is P8 . ones on the tensor cores (_pv_update)
             l_i = l_i * alpha + gl.sum(p, 1)
         p8 = p.to(gl.float8e4nv)
@@ -316,13 +394,14 @@ if gluon is not None:
     def _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty,
                  s_zero, o_zero, offs_n, q_scale, SK, LK, p_layout: gl.constexpr, o_layout: gl.constexpr,
                  l_layout: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
-                 EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+                 EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+                 POLY_EXP: gl.constexpr):
         # One key tile j that is not the last: tile j+1's scores go to the tensor cores
         # first and run under tile j's softmax.
         s_next = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, j + 1, STAGES, N_OUT)
         c = q_scale * gl.load(SK + j)
         p8, alpha, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, offs_n, LK, acc, p_layout, o_layout, False,
-                                                    EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+                                                    EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
         pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, j, l_layout, STAGES,
                              TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
         if ROWSUM_MMA:
@@ -339,7 +418,7 @@ if gluon is not None:
                   m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout: gl.constexpr, o_layout: gl.constexpr,
                   l_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
                   TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
-                  ROWSUM_MMA: gl.constexpr):
+                  ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr):
         # Each warpgroup on its own: Q.K^T of tile j+1 is issued before tile j's softmax;
         # the two warpgroups interleave as the warp schedulers see fit (FlashAttention-3's
         # explicit ping-pong, turn barriers between the warpgroups, measured 15-20% slower
@@ -367,11 +446,11 @@ if gluon is not None:
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
                                             k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
                                             p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE,
-                                            PERM_P, ROWSUM_MMA)
+                                            PERM_P, ROWSUM_MMA, POLY_EXP)
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j + 1, q, qs, k_ring, ks_ring, v_ring, ones_smem,
                                             k_full, k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK,
                                             LK, p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL,
-                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
             # An odd count of inner tiles ends with one more inner step and the last tile in
             # their own branch: a branch that merged the score tile back (one step peeled
             # before or after the loop) made ptxas spill 1.5 KB and serialise the wgmmas.
@@ -379,35 +458,35 @@ if gluon is not None:
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, NKB - 2, q, qs, k_ring, ks_ring, v_ring, ones_smem,
                                             k_full, k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK,
                                             LK, p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL,
-                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
                 acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full,
                                       v_empty, o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL,
-                                      EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+                                      EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
             else:
                 acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full,
                                       v_empty, o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL,
-                                      EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+                                      EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
         else:
             for j in range(0, NKB - 1):
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
                                             k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
                                             p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE,
-                                            PERM_P, ROWSUM_MMA)
+                                            PERM_P, ROWSUM_MMA, POLY_EXP)
             acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full, v_empty,
                                   o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE,
-                                  PERM_P, ROWSUM_MMA)
+                                  PERM_P, ROWSUM_MMA, POLY_EXP)
         return acc, l_i
 
     @gluon.jit
     def _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full, v_empty, o_zero,
                    p_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
-                   ROWSUM_MMA: gl.constexpr):
+                   ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr):
         # The last key tile: the only one that can hold padded keys, masked to -inf here.
         last = NKB - 1
         c = q_scale * gl.load(SK + last)
         p8, alpha, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, last * BLOCK_N + offs_n, LK, acc, p_layout,
-                                                    o_layout, True, EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+                                                    o_layout, True, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
         pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, last, l_layout, STAGES,
                              TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
         if ROWSUM_MMA:
@@ -424,7 +503,7 @@ if gluon is not None:
                             NKB, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_D: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
                             TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr,
-                            PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+                            PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr):
         ROWS: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
@@ -454,7 +533,7 @@ if gluon is not None:
         mbarrier.wait(q_bar, 0)
         acc, l_i = _mainloop(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty, s_zero,
                              o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout, o_layout, l_layout,
-                             BLOCK_N, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA)
+                             BLOCK_N, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
         if ROWSUM_MMA:
             l_i = gl.max(l_i, 1)
 
@@ -477,7 +556,7 @@ if gluon is not None:
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
         N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
-        ROWSUM_MMA: gl.constexpr,
+        ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr,
     ):
         start_m = gl.program_id(0)
         bh = gl.program_id(1)
@@ -511,11 +590,11 @@ if gluon is not None:
             (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty,
                                    v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0,
                                    LQ, LK, NQB, NKB, 0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
-                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA)),
+                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)),
             (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty,
                                    v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0,
                                    LQ, LK, NQB, NKB, 1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
-                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA)),
+                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)),
             (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
                                v_ring, ones_smem, q_bar, k_full, k_empty, v_full, v_empty, q_row0, bh * LK_PAD,
                                bh * BLOCK_D, NKB, BLOCK_N, STAGES, N_OUT, ROWSUM_MMA)),
@@ -561,13 +640,15 @@ cache_registry.register("kernels.attention_gluon_hopper.ones_descriptor", _ones_
 
 
 # TRITON_ACCEL_GLUON_VARIANT -> the FP8 config default_config() returns.
-_VARIANT_CONFIGS = {"default": "sm90_lean", "lean": "sm90_lean", "classic": "sm90", "lean_rowsum": "sm90_lean_rowsum"}
+_VARIANT_CONFIGS = {"default": "sm90_lean", "lean": "sm90_lean", "classic": "sm90", "lean_rowsum": "sm90_lean_rowsum",
+                    "lean_poly12": "sm90_lean_poly12", "lean_poly25": "sm90_lean_poly25"}
 
 
 def default_config(device=None) -> dict:
     """GLUON_CONFIGS["sm90_lean"] (the measured loop: session 31 on an H100, 3-9 % faster kernels
     than "sm90" and 74 ms less per Wan 2.1 14B step), "sm90" under TRITON_ACCEL_GLUON_VARIANT=
-    classic, "sm90_lean_rowsum" under lean_rowsum (benchmarks)."""
+    classic, "sm90_lean_rowsum" / "sm90_lean_poly12" / "sm90_lean_poly25" under lean_rowsum /
+    lean_poly12 / lean_poly25 (benchmarks)."""
     del device  # one target: sm_90
     return dict(GLUON_CONFIGS[_VARIANT_CONFIGS[env_settings.gluon_variant()]])
 

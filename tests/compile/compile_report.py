@@ -101,12 +101,13 @@ def main_loop_of(result: dict) -> dict:
     return loop
 
 
-def assert_unrolled(loop: dict, base: dict) -> None:
+def assert_unrolled(loop: dict, base: dict, fewer_instructions: bool = True) -> None:
     """Two key tiles a trip with at most a quarter of the one-tile loop's (`base`) register
-    copies a tile, and fewer instructions a tile in all."""
+    copies a tile, and (unless told otherwise) fewer instructions a tile in all."""
     assert loop["tiles"] == 2, loop
     assert loop["copies"] <= base["copies"] / 4, (loop["copies"], base["copies"])
-    assert loop["total"] < base["total"], (loop["total"], base["total"])
+    if fewer_instructions:
+        assert loop["total"] < base["total"], (loop["total"], base["total"])
 
 
 def cached_report(which: str, worker: str, jobs: list, root: Path, cache: dict) -> dict:

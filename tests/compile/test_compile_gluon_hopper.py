@@ -17,7 +17,10 @@ What the PTX must show:
   (that loop copies tile j+1's 64 score registers back at every back edge: 70-82 a tile with
   Triton 3.6 / 3.9, 1-4.5 unrolled); PERM_P no selects and a third of the shuffles (only the
   row max and row sum's: 8 a tile, against 24 + 16 selects for P's layout change); ROWSUM_MMA
-  at most 8 FADDs a tile (70 in the shipped loop) and fewer instructions than lean.
+  at most 8 FADDs a tile (70 in the shipped loop) and fewer instructions than lean; POLY_EXP
+  (1 or 2 of every 8 of P's exponentials on the FMA pipe): that many fewer MUFU.EX2 a tile than
+  lean's, the polynomial's instructions in their place (no conversion instruction: FRND / F2I
+  run at the MUFU's rate), and no spills.
 Under TRITON_INTERPRET=1 (tests/conftest.py) kernels cannot be compiled, so one subprocess
 per Triton (the installed one and, where tests/versions/version_matrix.py installed it, 3.6,
 the H200 test machine's) with the variable unset compiles every case and reports JSON.
@@ -40,7 +43,8 @@ SMEM_LIMIT_SM90 = 232448
 # (config name, head dim): the shipped config at d128 and d64 (SD3-like), the two-level one,
 # each loop option alone and all three (sm90_lean) at d128 and d64.
 JOBS = [("sm90", 128), ("sm90", 64), ("sm90_two_level", 128), ("sm90_unroll", 128), ("sm90_early", 128),
-        ("sm90_permp", 128), ("sm90_lean", 128), ("sm90_lean", 64), ("sm90_lean_rowsum", 128)]
+        ("sm90_permp", 128), ("sm90_lean", 128), ("sm90_lean", 64), ("sm90_lean_rowsum", 128),
+        ("sm90_lean_poly12", 128), ("sm90_lean_poly25", 128)]
 TRITONS = ["installed", "3.6"]
 
 WORKER = r"""
@@ -181,7 +185,9 @@ def test_main_loop_sass(report, job):
     opts = loop_options(GLUON_CONFIGS[job[0]])
     base = report[("sm90", job[1])]["loop"]  # the one-tile, shuffling loop, same Triton and head dim
     if opts["UNROLL"] == 2:
-        compile_report.assert_unrolled(loop, base)
+        # POLY_EXP adds instructions by design (MUFU work traded for FMA-pipe work): judged
+        # against lean below.
+        compile_report.assert_unrolled(loop, base, fewer_instructions=not opts["POLY_EXP"])
     if opts["PERM_P"]:
         quant = r["v_key_perm_quant"]  # compiled before the SASS is read: no cuobjdump needed
         assert quant["ok"] and quant["cubin"] > 0 and not quant["local"], quant
@@ -193,6 +199,17 @@ def test_main_loop_sass(report, job):
         assert loop["per_tile"]["SHFL"] <= base["per_tile"]["SHFL"] / 3, (loop["per_tile"]["SHFL"],
                                                                           base["per_tile"]["SHFL"])
         assert loop["total"] < base["total"], (loop["total"], base["total"])
+    if opts["POLY_EXP"]:
+        # P's 64 exponentials a thread and tile: 8 * POLY_EXP leave the MUFU pipe (lean keeps
+        # 66: P's 64 and the rows' rescale), each for 2 FFMA + 3 FADD + FMNMX + LEA; no
+        # conversion instruction (FRND / F2I run at the MUFU's rate).
+        lean = report[("sm90_lean", job[1])]["loop"]
+        moved = 8 * opts["POLY_EXP"]
+        pt, lpt = loop["per_tile"], lean["per_tile"]
+        assert pt["MUFU"] == lpt["MUFU"] - moved, (pt["MUFU"], lpt["MUFU"])
+        assert pt["FFMA"] >= lpt["FFMA"] + 2 * moved and pt["FADD"] >= lpt["FADD"] + 3 * moved, pt
+        assert not any(pt.get(op) for op in ("FRND", "F2I", "I2F")), pt
+        assert loop["total"] <= lean["total"] + 6.5 * moved, (loop["total"], lean["total"])
     if opts["ROWSUM_MMA"]:
         # The row sum left the FADD pipe (70 a tile in the shipped loop: 64 adds + reductions).
         assert loop["per_tile"].get("FADD", 0) <= 8, loop["per_tile"]

@@ -265,7 +265,7 @@ def test_speed_summary_rows(tmp_path):
     assert speed_choice.speed_summary(SpeedChoice(tmp_path / "speed.json")) == rows
 
 
-@pytest.mark.parametrize("variant", [None, "default", "lean", "classic", "lean_rowsum", "bogus"])
+@pytest.mark.parametrize("variant", [None, "default", "lean", "classic", "lean_rowsum", "lean_poly12", "bogus"])
 def test_speed_key_keeps_a_gluon_variant_apart(monkeypatch, variant):
     """TRITON_ACCEL_GLUON_VARIANT=lean or classic (a benchmark's loop variant) gets its own
     speed-cache entries; the default and unknown values keep the keys they always had, and the
@@ -279,7 +279,7 @@ def test_speed_key_keeps_a_gluon_variant_apart(monkeypatch, variant):
     fields = key.split("|")
     assert fields[:2] == ["NVIDIA H200", "sm_90"] and fields[-1] == "b1-h40/40-q32760-k32760-d128"
     assert fields[5] == f"{ORIGINAL}+{FP8}+{FP16}"
-    timed_apart = variant in ("lean", "classic", "lean_rowsum")
+    timed_apart = variant in ("lean", "classic", "lean_rowsum", "lean_poly12")
     assert (f"gluon {variant}" in fields) == timed_apart and len(fields) == (8 if timed_apart else 7)
 
 
