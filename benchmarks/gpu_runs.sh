@@ -40,6 +40,8 @@
 #   bash benchmarks/gpu_runs.sh s36         on an H200: s35; on any other card: the FP8 attention table (lean, 1/8 and 2/8
 #                                           of P's exponentials by a polynomial), Wan default / Patch / Patch+lean_poly12,
 #                                           Flux default / Patch eager (the direct-launch fix)
+#   bash benchmarks/gpu_runs.sh s36h        issue 12's table in one call: Linear shapes; Flux default / Patch / Linear /
+#                                           fp8_e4m3fn_fast / Patch / default; Wan default / Patch / fp8_e4m3fn_fast
 #   bash benchmarks/gpu_runs.sh s36w        lean against its polynomial-exponential variants, then s35w
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
@@ -191,7 +193,11 @@ s36w)  # the FP8 loop with part of P's exponentials on the FMA pipe; then issue 
       --out $R > $R/gluon.txt 2>&1
     grep -A40 "== accuracy" $R/gluon.txt
     exec bash "$0" s35w ;;
+s36h)  # issue 12's "the H200, one run" in one call (session 36's H100 call took 185 s for a comparable load)
+    timeout 60 python3 benchmarks/linear_bench.py --no-sweep --out $R > $R/linear.txt 2>&1; tail -30 $R/linear.txt
+    e2e e2e_flux36h 230 --models flux --variants default ours-all ours-linear comfy-fp8-fast ours-all default --steps 5
+    e2e e2e_wan36h 280 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36w"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36w"; exit 2 ;;
 esac
