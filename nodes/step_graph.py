@@ -50,6 +50,15 @@ MAX_GRAPHS = 2  # one signature per CFG half where cond and uncond run as separa
 MAX_FAILURES = 2  # recordings that ran out of memory before the model stays eager (other errors: at once)
 VERIFY_REL_L2 = 2e-3  # the replay repeats the eager call's kernels: equal bit for bit when deterministic
 
+# What the model's own forward does that a CUDA graph cannot hold (ComfyUI's Wan copies
+# torch.arange(...) from the host every call: sinusoidal_embedding_1d). Expected, harmless (the
+# step runs eager as without graphs) and the same every time: said once at INFO, with what it
+# means; any other recording failure is a WARNING.
+CAPTURE_LIMITS = ("Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+                  "operation not permitted when stream is capturing", "cudaErrorStreamCaptureUnsupported")
+CAPTURE_LIMIT_NOTE = ("the model's forward copies a host tensor or waits on the GPU, which a CUDA graph cannot "
+                      "hold; it runs eager, as it would with step graphs off")
+
 REASON_OFF = "step graphs off (TRITON_ACCEL_STEP_GRAPH)"
 REASON_NOT_CUDA = "not a CUDA call"
 REASON_AUTOGRAD = "autograd"
@@ -389,8 +398,10 @@ class StepGraphs:
             graph, g_out, pool = self.backend.capture(lambda: executor(*s_args, **s_kwargs), self.pool)
         except Exception as e:  # a host sync in the forward, out of memory, an op that cannot be captured
             # Only running out of memory may pass; anything else the same forward does again.
+            limit = any(text in str(e) for text in CAPTURE_LIMITS)
             self._fail(f"{REASON_FAILED}: {type(e).__name__}: {e}"[:300],
-                       final=not isinstance(e, torch.cuda.OutOfMemoryError))
+                       final=not isinstance(e, torch.cuda.OutOfMemoryError),
+                       level=logging.INFO if limit else logging.WARNING, note=CAPTURE_LIMIT_NOTE if limit else None)
             return
         finally:
             compiled_ops.STEP_CAPTURE = before
@@ -413,13 +424,16 @@ class StepGraphs:
         log.info("Triton Accel (%s): step recorded as a CUDA graph (%d input tensors; its replay agrees with the "
                  "eager call within rel. L2 %g)", self.label, len(statics), VERIFY_REL_L2)
 
-    def _fail(self, reason: str, final: bool = False) -> None:
+    def _fail(self, reason: str, final: bool = False, level: int = logging.WARNING, note: str | None = None) -> None:
         with self._lock:
             self.failures += 1
             if final or self.failures >= MAX_FAILURES:
                 self.refusal = reason
             self.seen.clear()
-        log.warning("Triton Accel (%s): the step stays eager: %s", self.label, reason)
+        if note:
+            log.log(level, "Triton Accel (%s): the step stays eager: %s (%s)", self.label, note, reason)
+        else:
+            log.log(level, "Triton Accel (%s): the step stays eager: %s", self.label, reason)
 
     def drop(self) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ steps runs on the GPU in benchmarks/e2e_comfyui.py (variants with +graph / +nogr
 """
 from __future__ import annotations
 
+import logging
 import uuid
 
 import pytest
@@ -307,6 +308,32 @@ def test_a_recording_that_raises_leaves_the_model_eager(error, attempts):
     assert len(FakeGraphs.capture_flags) == attempts
     assert str(error)[:20] in graphs.refusal
     assert compiled_ops.STEP_CAPTURE is False
+
+
+@pytest.mark.parametrize("error, level", [
+    (RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is "
+                  "pinned. Please use tensor.pin_memory()"), logging.INFO),  # ComfyUI's Wan, every run
+    (RuntimeError("CUDA error: operation not permitted when stream is capturing"), logging.INFO),  # a host sync
+    (RuntimeError("an op with no CUDA graph support"), logging.WARNING),
+    (torch.cuda.OutOfMemoryError("CUDA out of memory"), logging.WARNING),
+])
+@torch.no_grad()
+def test_a_forward_that_no_graph_can_hold_is_said_once_at_info(caplog, error, level):
+    """A model whose own forward copies from the host (Wan) is expected to stay eager: one INFO
+    line saying what that means, no WARNING a user would read as a fault; any other recording
+    failure stays a WARNING (out of memory once per attempt)."""
+    FakeGraphs.fail = error
+    model, graphs = Model(), StepGraphs()
+    with caplog.at_level(logging.INFO, logger="triton_accel"):
+        for i in range(12):
+            x, t, kwargs = inputs(seed=i)
+            call(graphs, model, x, t, kwargs)
+    lines = [r for r in caplog.records if "stays eager" in r.getMessage()]
+    assert lines and {r.levelno for r in lines} == {level}
+    assert len(lines) == (1 if level == logging.INFO else len(FakeGraphs.capture_flags))
+    if level == logging.INFO:
+        assert step_graph.CAPTURE_LIMIT_NOTE in lines[0].getMessage()
+        assert str(error)[:40] in lines[0].getMessage()  # the error itself is still there
 
 
 class Patcher:
