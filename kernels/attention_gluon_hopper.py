@@ -106,7 +106,9 @@ GLUON_CONFIGS = {
     # each, and the measured ~2400 says they barely overlap; these move an eighth (a quarter)
     # of the MUFU work to 7 full-rate instructions per element (FMNMX, 3 FADD, 2 FFMA, LEA in
     # the SASS): 8 (16) MUFU.EX2 fewer and 56 (112) more FMA-pipe instructions per thread and
-    # tile, against lean's ~440. Opt-in until timed.
+    # tile, against lean's ~440. Measured slower (H100, session 36, kernel alone): Wan 824 / 779
+    # TFLOP/s against lean's 871, Flux 710 / 719 against 746, the same accuracy: the loop is not
+    # bound by the MUFU pipe. Kept opt-in for comparisons (TRITON_ACCEL_GLUON_VARIANT).
     "sm90_lean_poly12": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
                              UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=1),
     "sm90_lean_poly25": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,

@@ -66,7 +66,8 @@ SETTINGS = (
             "and 128. classic: the FP8 loop shipped before (one key tile a trip). lean_rowsum: lean "
             "with FP8's row sums of P on the tensor cores (fails the accuracy bar). lean_poly12 / "
             "lean_poly25: lean with 1 / 2 of every 8 of FP8's exponentials of P computed by a polynomial "
-            "on the FMA pipe instead of the MUFU (not timed yet). Any other value means default."),
+            "on the FMA pipe instead of the MUFU (measured 4-11 % slower on an H100). Any other value means "
+            "default."),
     Setting(FUSED_NORMS, "all",
             "Patch nodes that put our attention into a model also fuse its norms. all (the "
             "default): as qk, and the double and single blocks of ComfyUI's Flux layers (Flux, "
