@@ -94,12 +94,14 @@ def test_v_key_perm_needs_whole_groups_of_32_keys():
         quant.quantize_qkv(q, k, v, 0.1, 32, 16, v_key_perm=True)
 
 
-def _emulate(qkv, lq, lk, relabel, l_of_e4m3=False):
+def _emulate(qkv, lq, lk, relabel, l_of_e4m3=False, poly_cols=None):
     """The Gluon kernel's arithmetic in float64 on quantize_qkv's operands, one softmax over
     all keys (the kernel's online rescaling cancels in O / l): S from the e4m3 operands and
     the side dot, P = e4m3(exp2(S * c - max + LOG2_P_SCALE)), O = P.V * sv / l + vmean, with
     l the row sum of the unrounded exponentials (fp32 in the kernel) or, l_of_e4m3 (ROWSUM_MMA),
-    of the e4m3 P itself (P . ones on the tensor cores)."""
+    of the e4m3 P itself (P . ones on the tensor cores). poly_cols (a bool mask over keys, POLY_EXP):
+    those keys' exponentials from exp2_poly in float32, as the asm computes them (P and the row
+    sums both see them)."""
     bh, lq_pad, _ = qkv.q8.shape
     lk_pad = qkv.k8.shape[1]
     out = []
@@ -109,7 +111,10 @@ def _emulate(qkv, lq, lk, relabel, l_of_e4m3=False):
             * qkv.sk[i].double().repeat_interleave(qkv.block_n)[None, :lk_pad]
         t = (s * c)[:lq]
         t[:, lk:] = float("-inf")
-        exact = torch.exp2(t - t.amax(1, keepdim=True) + LOG2_P_SCALE)
+        arg = t - t.amax(1, keepdim=True) + LOG2_P_SCALE
+        exact = torch.exp2(arg)
+        if poly_cols is not None:
+            exact = torch.where(poly_cols[None, :lk_pad], glu.exp2_poly(arg.float()).double(), exact)
         p = exact.to(torch.float8_e4m3fn).double()
         l = (p if l_of_e4m3 else exact).sum(1, keepdim=True)
         if relabel:
@@ -269,26 +274,6 @@ def test_inline_asm_constants_are_the_torch_twins():
     assert "shl.b32 ti, ti, 23; add.s32 pi, pi, ti;" in asm
 
 
-def _emulate_poly(qkv, lq, lk, poly_cols):
-    """_emulate with the kernel's exponentials of columns `poly_cols` (a bool mask over keys)
-    taken from exp2_poly in float32, the rest exact: P and the fp32 row sums both see them."""
-    bh, lq_pad, _ = qkv.q8.shape
-    lk_pad = qkv.k8.shape[1]
-    out = []
-    for i in range(bh):
-        s = qkv.q8[i].double() @ qkv.k8[i].double().T + qkv.qs[i].double() @ qkv.ks[i].double().T
-        c = qkv.sq[i].double().repeat_interleave(qkv.block_m)[:lq_pad, None] \
-            * qkv.sk[i].double().repeat_interleave(qkv.block_n)[None, :lk_pad]
-        t = (s * c)[:lq]
-        t[:, lk:] = float("-inf")
-        arg = t - t.amax(1, keepdim=True) + LOG2_P_SCALE
-        e = torch.where(poly_cols[None, :lk_pad], glu.exp2_poly(arg.float()).double(), torch.exp2(arg))
-        p = e.to(torch.float8_e4m3fn).double()
-        o = glu.p_relabel(p) @ qkv.vt8[i].double().T
-        out.append(o * qkv.sv[i].double() / e.sum(1, keepdim=True) + qkv.vmean[i].double())
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("kind", ["outlier", "gauss"])
 @pytest.mark.parametrize("eighths", [1, 2, 8], ids=["poly12", "poly25", "all"])
 def test_polynomial_exponentials_keep_issue_11s_accuracy(kind, eighths):
@@ -305,8 +290,8 @@ def test_polynomial_exponentials_keep_issue_11s_accuracy(kind, eighths):
     qkv = quant.quantize_qkv(q, k, v, scale, 128, 128, exact_cast=True, v_key_perm=True)
     lk_pad = qkv.k8.shape[1]
     cols = (torch.arange(lk_pad) % 8) >= 8 - eighths
-    mufu = _emulate_poly(qkv, 300, 300, torch.zeros(lk_pad, dtype=torch.bool))[..., :128].reshape(shape)
-    poly = _emulate_poly(qkv, 300, 300, cols)[..., :128].reshape(shape)
+    mufu = _emulate(qkv, 300, 300, relabel=True)[..., :128].reshape(shape)
+    poly = _emulate(qkv, 300, 300, relabel=True, poly_cols=cols)[..., :128].reshape(shape)
     ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, -1) @ v.double()
     cos_min, rel_max = {"outlier": (0.9995, 0.03), "gauss": (0.998, 0.06)}[kind]
     rel = ((poly - ref).norm() / ref.norm()).item()
