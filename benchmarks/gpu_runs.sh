@@ -42,6 +42,7 @@
 #                                           Flux default / Patch eager (the direct-launch fix)
 #   bash benchmarks/gpu_runs.sh s36h        issue 12's table in one call: Linear shapes; Flux default / Patch / Linear /
 #                                           fp8_e4m3fn_fast / Patch / default; Wan default / Patch / fp8_e4m3fn_fast
+#   bash benchmarks/gpu_runs.sh s36m        lean against lean_merged (one mbarrier arrive a key tile), FP8 attention table only
 #   bash benchmarks/gpu_runs.sh s36w        lean against its polynomial-exponential variants, then s35w
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
@@ -197,7 +198,11 @@ s36h)  # issue 12's "the H200, one run" in one call (session 36's H100 call took
     timeout 60 python3 benchmarks/linear_bench.py --no-sweep --out $R > $R/linear.txt 2>&1; tail -30 $R/linear.txt
     e2e e2e_flux36h 230 --models flux --variants default ours-all ours-linear comfy-fp8-fast ours-all default --steps 5
     e2e e2e_wan36h 280 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
+s36m)  # one "slot free" signal per key tile (sm90_lean_merged) against lean, kernel table only (~60 s)
+    timeout 110 python3 benchmarks/gluon_attention_bench.py --lite --shapes wan,flux --bf16-shapes "" \
+      --configs sm90_lean,sm90_lean_merged --rep 100 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
+    grep -A40 "== accuracy" $R/gluon.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36w"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w"; exit 2 ;;
 esac

@@ -83,7 +83,7 @@ LOG2_P_SCALE = 8.8073
 # Wan 2.1 14B step 1975 ms against 2049 (two fresh processes each, the same accuracy), so
 # "sm90_lean" is the default (default_config). "sm90_lean_rowsum" fails the Gaussian accuracy
 # bar (cosine 0.974 at Wan: e4m3 row sums are too coarse).
-_LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0)
+_LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0, MERGED_EMPTY=False)
 GLUON_CONFIGS = {
     "sm90": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24, **_LOOP_DEFAULTS),
     "sm90_two_level": dict(BLOCK_N=64, STAGES=3, TWO_LEVEL=True, CONSUMER_REGS=232, PRODUCER_REGS=24,
@@ -95,12 +95,13 @@ GLUON_CONFIGS = {
     "sm90_permp": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
                        **dict(_LOOP_DEFAULTS, PERM_P=True)),
     "sm90_lean": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
-                      UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=0),
+                      UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=0, MERGED_EMPTY=False),
     # lean + the row sums of P on the tensor cores (_pv_update's ROWSUM_MMA): 64 FADDs and 4
     # shuffles a tile become 4 wgmmas of N = 8; l then sums the e4m3 P that P.V multiplies.
     # 240 registers: at 232 ptxas (Triton 3.6) reloads a spilled value in the loop.
     "sm90_lean_rowsum": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=240, PRODUCER_REGS=24,
-                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=True, POLY_EXP=0),
+                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=True, POLY_EXP=0,
+                             MERGED_EMPTY=False),
     # lean with 1 (2) of every 8 exponentials of P on the FMA pipe (_exp2_p, POLY_EXP): at
     # FP8 a 128 x 128 tile pair costs the tensor cores and the MUFU pipe about 1024 cycles
     # each, and the measured ~2400 says they barely overlap; these move an eighth (a quarter)
@@ -110,9 +111,19 @@ GLUON_CONFIGS = {
     # TFLOP/s against lean's 871, Flux 710 / 719 against 746, the same accuracy: the loop is not
     # bound by the MUFU pipe. Kept opt-in for comparisons (TRITON_ACCEL_GLUON_VARIANT).
     "sm90_lean_poly12": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
-                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=1),
+                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=1,
+                             MERGED_EMPTY=False),
     "sm90_lean_poly25": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
-                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=2),
+                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=2,
+                             MERGED_EMPTY=False),
+    # lean with one "slot free" signal per key tile instead of two (MERGED_EMPTY): each
+    # mbarrier arrive of a 4-warp partition costs a warpgroup bar.sync (three per tile in
+    # lean's SASS, after the wait on P.V). V[j]'s release also frees K[j]'s slot, so the
+    # producer refills both on it; K then lands one tile later than with its own signal,
+    # which a third ring stage gives back (3 x 36 KB of shared memory). Opt-in until timed.
+    "sm90_lean_merged": dict(BLOCK_N=128, STAGES=3, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
+                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=0,
+                             MERGED_EMPTY=True),
 }
 
 # POLY_EXP's exponential, 2^x for x <= LOG2_P_SCALE: x clamped at -126 (2^-126, the smallest
@@ -292,7 +303,8 @@ if gluon is not None:
     @gluon.jit
     def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
                         v_ring, ones_smem, q_bar, k_full, k_empty, v_full, v_empty, q_row0, k_row0, v_row0, n_kb,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+                        MERGED_EMPTY: gl.constexpr):
         # One warp. Order K0, V0, K1, V1...: a consumer asks for K[j+1] before V[j], which
         # the ring allows whenever STAGES >= 2 (slot (j+1) % STAGES was freed at j+1-STAGES).
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + qs_desc.block_type.nbytes * (N_OUT > 0)
@@ -308,12 +320,17 @@ if gluon is not None:
             slot = j % STAGES
             phase = (j // STAGES) & 1
             # Parity phase ^ 1 on a fresh barrier passes at once: the first lap needs no wait.
-            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            # MERGED_EMPTY: V[j - STAGES]'s release is also K[j - STAGES]'s (read before it).
+            if MERGED_EMPTY:
+                mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            else:
+                mbarrier.wait(k_empty.index(slot), phase ^ 1)
             mbarrier.expect(k_full.index(slot), k_bytes)
             _tma_load(k_desc, [k_row0 + j * BLOCK_N, 0], k_full.index(slot), k_ring.index(slot))
             if N_OUT > 0:
                 _tma_load(ks_desc, [k_row0 + j * BLOCK_N, 0], k_full.index(slot), ks_ring.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            if not MERGED_EMPTY:
+                mbarrier.wait(v_empty.index(slot), phase ^ 1)
             mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
             _tma_load(v_desc, [v_row0, j * BLOCK_N], v_full.index(slot), v_ring.index(slot))
 
@@ -397,7 +414,7 @@ if gluon is not None:
                  s_zero, o_zero, offs_n, q_scale, SK, LK, p_layout: gl.constexpr, o_layout: gl.constexpr,
                  l_layout: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
                  EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                 POLY_EXP: gl.constexpr):
+                 POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr):
         # One key tile j that is not the last: tile j+1's scores go to the tensor cores
         # first and run under tile j's softmax.
         s_next = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, j + 1, STAGES, N_OUT)
@@ -410,7 +427,8 @@ if gluon is not None:
             s, pv, l_i = warpgroup_mma_wait(0, deps=(s_next, pv, l_i))
         else:
             s, pv = warpgroup_mma_wait(0, deps=(s_next, pv))
-        mbarrier.arrive(k_empty.index((j + 1) % STAGES), count=1)
+        if not MERGED_EMPTY:
+            mbarrier.arrive(k_empty.index((j + 1) % STAGES), count=1)
         mbarrier.arrive(v_empty.index(j % STAGES), count=1)
         acc = _accumulate(acc, pv, a, TWO_LEVEL, EARLY_RESCALE)
         return s, acc, m_i, l_i
@@ -420,7 +438,7 @@ if gluon is not None:
                   m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout: gl.constexpr, o_layout: gl.constexpr,
                   l_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
                   TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
-                  ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr):
+                  ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr):
         # Each warpgroup on its own: Q.K^T of tile j+1 is issued before tile j's softmax;
         # the two warpgroups interleave as the warp schedulers see fit (FlashAttention-3's
         # explicit ping-pong, turn barriers between the warpgroups, measured 15-20% slower
@@ -441,18 +459,19 @@ if gluon is not None:
         # tiles per trip let the two score tiles swap roles instead.
         s = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, 0, STAGES, N_OUT)
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        if not MERGED_EMPTY:
+            mbarrier.arrive(k_empty.index(0), count=1)
         if UNROLL == 2:
             for jj in range(0, (NKB - 1) // 2):
                 j = 2 * jj
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
                                             k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
                                             p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE,
-                                            PERM_P, ROWSUM_MMA, POLY_EXP)
+                                            PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j + 1, q, qs, k_ring, ks_ring, v_ring, ones_smem,
                                             k_full, k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK,
                                             LK, p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL,
-                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
+                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
             # An odd count of inner tiles ends with one more inner step and the last tile in
             # their own branch: a branch that merged the score tile back (one step peeled
             # before or after the loop) made ptxas spill 1.5 KB and serialise the wgmmas.
@@ -460,7 +479,7 @@ if gluon is not None:
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, NKB - 2, q, qs, k_ring, ks_ring, v_ring, ones_smem,
                                             k_full, k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK,
                                             LK, p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL,
-                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
+                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
                 acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full,
                                       v_empty, o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL,
                                       EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
@@ -473,7 +492,7 @@ if gluon is not None:
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
                                             k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
                                             p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE,
-                                            PERM_P, ROWSUM_MMA, POLY_EXP)
+                                            PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
             acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full, v_empty,
                                   o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE,
                                   PERM_P, ROWSUM_MMA, POLY_EXP)
@@ -505,7 +524,8 @@ if gluon is not None:
                             NKB, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_D: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
                             TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr,
-                            PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr):
+                            PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr,
+                            MERGED_EMPTY: gl.constexpr):
         ROWS: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
@@ -535,7 +555,8 @@ if gluon is not None:
         mbarrier.wait(q_bar, 0)
         acc, l_i = _mainloop(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty, s_zero,
                              o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout, o_layout, l_layout,
-                             BLOCK_N, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
+                             BLOCK_N, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP,
+                             MERGED_EMPTY)
         if ROWSUM_MMA:
             l_i = gl.max(l_i, 1)
 
@@ -558,7 +579,7 @@ if gluon is not None:
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
         N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
-        ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr,
+        ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr,
     ):
         start_m = gl.program_id(0)
         bh = gl.program_id(1)
@@ -592,14 +613,14 @@ if gluon is not None:
             (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty,
                                    v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0,
                                    LQ, LK, NQB, NKB, 0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
-                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)),
+                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)),
             (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty,
                                    v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0,
                                    LQ, LK, NQB, NKB, 1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
-                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)),
+                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)),
             (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
                                v_ring, ones_smem, q_bar, k_full, k_empty, v_full, v_empty, q_row0, bh * LK_PAD,
-                               bh * BLOCK_D, NKB, BLOCK_N, STAGES, N_OUT, ROWSUM_MMA)),
+                               bh * BLOCK_D, NKB, BLOCK_N, STAGES, N_OUT, ROWSUM_MMA, MERGED_EMPTY)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -20,7 +20,8 @@ What the PTX must show:
   at most 8 FADDs a tile (70 in the shipped loop) and fewer instructions than lean; POLY_EXP
   (1 or 2 of every 8 of P's exponentials on the FMA pipe): that many fewer MUFU.EX2 a tile than
   lean's, the polynomial's instructions in their place (no conversion instruction: FRND / F2I
-  run at the MUFU's rate), and no spills.
+  run at the MUFU's rate), and no spills; MERGED_EMPTY one mbarrier arrive and one warpgroup
+  bar.sync fewer a tile than lean (each arrive of a 4-warp partition comes with a bar.sync).
 Under TRITON_INTERPRET=1 (tests/conftest.py) kernels cannot be compiled, so one subprocess
 per Triton (the installed one and, where tests/versions/version_matrix.py installed it, 3.6,
 the H200 test machine's) with the variable unset compiles every case and reports JSON.
@@ -44,7 +45,7 @@ SMEM_LIMIT_SM90 = 232448
 # each loop option alone and all three (sm90_lean) at d128 and d64.
 JOBS = [("sm90", 128), ("sm90", 64), ("sm90_two_level", 128), ("sm90_unroll", 128), ("sm90_early", 128),
         ("sm90_permp", 128), ("sm90_lean", 128), ("sm90_lean", 64), ("sm90_lean_rowsum", 128),
-        ("sm90_lean_poly12", 128), ("sm90_lean_poly25", 128)]
+        ("sm90_lean_poly12", 128), ("sm90_lean_poly25", 128), ("sm90_lean_merged", 128)]
 TRITONS = ["installed", "3.6"]
 
 WORKER = r"""
@@ -210,6 +211,11 @@ def test_main_loop_sass(report, job):
         assert pt["FFMA"] >= lpt["FFMA"] + 2 * moved and pt["FADD"] >= lpt["FADD"] + 3 * moved, pt
         assert not any(pt.get(op) for op in ("FRND", "F2I", "I2F")), pt
         assert loop["total"] <= lean["total"] + 6.5 * moved, (loop["total"], lean["total"])
+    if opts["MERGED_EMPTY"]:
+        lean = report[("sm90_lean", job[1])]["loop"]["per_tile"]
+        pt = loop["per_tile"]
+        assert pt["SYNCS"] == lean["SYNCS"] - 1, (pt["SYNCS"], lean["SYNCS"])  # arrives + waits on mbarriers
+        assert pt["BAR"] <= lean["BAR"] - 0.5, (pt["BAR"], lean["BAR"])
     if opts["ROWSUM_MMA"]:
         # The row sum left the FADD pipe (70 a tile in the shipped loop: 64 adds + reductions).
         assert loop["per_tile"].get("FADD", 0) <= 8, loop["per_tile"]

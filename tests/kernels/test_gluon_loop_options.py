@@ -175,18 +175,23 @@ def test_launcher_refuses_operands_quantised_for_the_other_order():
 
 def test_every_config_names_its_loop_options():
     for name, cfg in glu.GLUON_CONFIGS.items():
-        assert set(glu.loop_options(cfg)) == {"UNROLL", "EARLY_RESCALE", "PERM_P", "ROWSUM_MMA", "POLY_EXP"}, name
+        assert set(glu.loop_options(cfg)) == {"UNROLL", "EARLY_RESCALE", "PERM_P", "ROWSUM_MMA", "POLY_EXP",
+                                              "MERGED_EMPTY"}, name
         assert cfg["UNROLL"] in (1, 2) and glu.loop_options(cfg)["POLY_EXP"] in (0, 1, 2), name
     # A config dict written before the options existed reads as the measured loop.
     old = {k: v for k, v in glu.GLUON_CONFIGS["sm90"].items()
            if k not in ("UNROLL", "EARLY_RESCALE", "PERM_P", "ROWSUM_MMA")}
-    assert glu.loop_options(old) == dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0)
+    assert glu.loop_options(old) == dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0,
+                                         MERGED_EMPTY=False)
     assert glu.GLUON_CONFIGS["sm90_lean"] == dict(glu.GLUON_CONFIGS["sm90"], UNROLL=2, EARLY_RESCALE=True,
                                                     PERM_P=True)
     assert glu.GLUON_CONFIGS["sm90_lean_rowsum"] == dict(glu.GLUON_CONFIGS["sm90_lean"], ROWSUM_MMA=True,
                                                            CONSUMER_REGS=240)
     for name, eighths in (("sm90_lean_poly12", 1), ("sm90_lean_poly25", 2)):
         assert glu.GLUON_CONFIGS[name] == dict(glu.GLUON_CONFIGS["sm90_lean"], POLY_EXP=eighths), name
+    # One release signal a tile needs a third ring stage (K lands a tile later than with its own).
+    assert glu.GLUON_CONFIGS["sm90_lean_merged"] == dict(glu.GLUON_CONFIGS["sm90_lean"], STAGES=3, MERGED_EMPTY=True)
+    assert all(cfg["STAGES"] >= 3 for cfg in glu.GLUON_CONFIGS.values() if glu.loop_options(cfg)["MERGED_EMPTY"])
 
 
 @pytest.mark.parametrize("value, fp8, bf16", [
