@@ -84,6 +84,10 @@ LOG2_P_SCALE = 8.8073
 # "sm90_lean" is the default (default_config). "sm90_lean_rowsum" fails the Gaussian accuracy
 # bar (cosine 0.974 at Wan: e4m3 row sums are too coarse).
 _LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0, MERGED_EMPTY=False)
+# The lean loop (session 31's default): two key tiles a trip, P in wgmma's operand order, the
+# output rescaled early; the variants below are lean plus one option each.
+_LEAN = dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
+             **dict(_LOOP_DEFAULTS, UNROLL=2, EARLY_RESCALE=True, PERM_P=True))
 GLUON_CONFIGS = {
     "sm90": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24, **_LOOP_DEFAULTS),
     "sm90_two_level": dict(BLOCK_N=64, STAGES=3, TWO_LEVEL=True, CONSUMER_REGS=232, PRODUCER_REGS=24,
@@ -94,14 +98,11 @@ GLUON_CONFIGS = {
                        **dict(_LOOP_DEFAULTS, EARLY_RESCALE=True)),
     "sm90_permp": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
                        **dict(_LOOP_DEFAULTS, PERM_P=True)),
-    "sm90_lean": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
-                      UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=0, MERGED_EMPTY=False),
+    "sm90_lean": dict(_LEAN),
     # lean + the row sums of P on the tensor cores (_pv_update's ROWSUM_MMA): 64 FADDs and 4
     # shuffles a tile become 4 wgmmas of N = 8; l then sums the e4m3 P that P.V multiplies.
     # 240 registers: at 232 ptxas (Triton 3.6) reloads a spilled value in the loop.
-    "sm90_lean_rowsum": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=240, PRODUCER_REGS=24,
-                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=True, POLY_EXP=0,
-                             MERGED_EMPTY=False),
+    "sm90_lean_rowsum": dict(_LEAN, CONSUMER_REGS=240, ROWSUM_MMA=True),
     # lean with 1 (2) of every 8 exponentials of P on the FMA pipe (_exp2_p, POLY_EXP): at
     # FP8 a 128 x 128 tile pair costs the tensor cores and the MUFU pipe about 1024 cycles
     # each, and the measured ~2400 says they barely overlap; these move an eighth (a quarter)
@@ -110,20 +111,14 @@ GLUON_CONFIGS = {
     # tile, against lean's ~440. Measured slower (H100, session 36, kernel alone): Wan 824 / 779
     # TFLOP/s against lean's 871, Flux 710 / 719 against 746, the same accuracy: the loop is not
     # bound by the MUFU pipe. Kept opt-in for comparisons (TRITON_ACCEL_GLUON_VARIANT).
-    "sm90_lean_poly12": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
-                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=1,
-                             MERGED_EMPTY=False),
-    "sm90_lean_poly25": dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
-                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=2,
-                             MERGED_EMPTY=False),
+    "sm90_lean_poly12": dict(_LEAN, POLY_EXP=1),
+    "sm90_lean_poly25": dict(_LEAN, POLY_EXP=2),
     # lean with one "slot free" signal per key tile instead of two (MERGED_EMPTY): each
     # mbarrier arrive of a 4-warp partition costs a warpgroup bar.sync (three per tile in
     # lean's SASS, after the wait on P.V). V[j]'s release also frees K[j]'s slot, so the
     # producer refills both on it; K then lands one tile later than with its own signal,
     # which a third ring stage gives back (3 x 36 KB of shared memory). Opt-in until timed.
-    "sm90_lean_merged": dict(BLOCK_N=128, STAGES=3, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
-                             UNROLL=2, EARLY_RESCALE=True, PERM_P=True, ROWSUM_MMA=False, POLY_EXP=0,
-                             MERGED_EMPTY=True),
+    "sm90_lean_merged": dict(_LEAN, STAGES=3, MERGED_EMPTY=True),
 }
 
 # POLY_EXP's exponential, 2^x for x <= LOG2_P_SCALE: x clamped at -126 (2^-126, the smallest
