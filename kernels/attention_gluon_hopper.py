@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import struct
 from functools import lru_cache
 
 import torch
@@ -133,7 +134,6 @@ POLY_CLAMP = -126.0
 
 
 def _f32_hex(v: float) -> str:
-    import struct
     return "0f" + struct.pack(">f", v).hex().upper()
 
 

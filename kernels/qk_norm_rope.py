@@ -44,7 +44,6 @@ except Exception:  # the registry reports why; importing the pack must still wor
 from . import direct_launch, qk_norm
 from .kernel_common import cdiv, exact_bf16, row_kernel_refusal
 from .norm_rope import NormRopeInputError, freqs_table
-from .qk_norm import row_alignment
 
 if triton is not None:
     from .kernel_common import to_output_dtype
@@ -152,13 +151,13 @@ def _launch(q, k, q_weight, k_weight, eps: float, freqs, q_out, k_out, offset: i
     rows = bsz * heads * length
     if rows == 0:
         return
-    if row_alignment(q_out) == 1 or row_alignment(k_out) == 1:
+    if qk_norm.row_alignment(q_out) == 1 or qk_norm.row_alignment(k_out) == 1:
         raise QKNormRopeInputError("q_out / k_out rows must start 16-byte aligned")
     sq, sk, so = q.stride(), k.stride(), q_out.stride()
     stride_fb = table.stride(0) if table.shape[0] > 1 else 0
     args = (q, k, q_weight, k_weight, q_out, k_out, table, heads, length, rows, sq[0], sq[1], sq[2], sk[0], sk[1],
             sk[2], so[0], so[1], so[2], stride_fb, table.stride(1), int(offset), float(eps))
-    consts = dict(D=d, BLOCK_R=ROWS_PER_PROGRAM, ALIGN_Q=row_alignment(q), ALIGN_K=row_alignment(k),
+    consts = dict(D=d, BLOCK_R=ROWS_PER_PROGRAM, ALIGN_Q=qk_norm.row_alignment(q), ALIGN_K=qk_norm.row_alignment(k),
                   EXACT_BF16=exact_bf16(q))
     # The kernel writes rows offset..offset + L of q_out (a double block's other stream fills
     # the rest): the direct launch's verification compares those rows only.

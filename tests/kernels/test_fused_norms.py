@@ -14,14 +14,18 @@ offset, so the mean subtraction and the full-row RMS are exercised, not only uni
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from triton_accel.kernels import layer_norm_modulate as lnm
 from triton_accel.kernels import norm_rope as nr
 
-TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-6}
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from norm_checks import DTYPES, check  # noqa: E402  (the fused-norm tests' shared checks)
+
 # (name, batch, tokens, heads, head_dim): Wan 2.1 1.3B (12 x 128) and 14B (40 x 128) channel
 # counts with a few tokens, a small odd-sized case, and 7 heads of 32 (224 channels: the
 # rope kernel's second block is 96 channels padded to 128, masked).
@@ -47,18 +51,6 @@ def activations(batch, tokens, channels, dtype, seed=0):
     x[..., 3] *= 30.0
     x[..., channels // 2 + 1] *= -30.0
     return x.to(dtype)
-
-
-def check(out, ref, dtype):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    o, r = out.float(), ref.float()
-    assert torch.isfinite(o).all()
-    rel = ((o - r).norm() / r.norm()).item()
-    assert rel <= TOL[dtype], rel
-    if dtype != torch.float32:
-        # One flipped value is allowed however small the tensor (at 672 values it is 0.15 %).
-        differ = (out != ref).sum().item()
-        assert differ <= max(1, out.numel() // 1000), f"{differ} of {out.numel()} values differ"
 
 
 def comfy_rms_norm_rope(x, weight, freqs, eps, head_dim):

@@ -13,13 +13,17 @@ Inputs carry outlier channels (x30 on two channels, as DiT activations have) and
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from triton_accel.kernels import qk_norm_rope as qnr
 
-TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-3, torch.float32: 1e-6}
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from norm_checks import DTYPES, check  # noqa: E402  (the fused-norm tests' shared checks)
+
 # (name, batch, text tokens, image tokens, heads, head_dim): Flux's 24 heads of 128 with a few
 # tokens per stream, HunyuanVideo-like 64-wide heads, an odd case whose rows are not a multiple
 # of the kernel's 32-row programs, and a single block (no text stream).
@@ -58,17 +62,6 @@ def comfy_qk(q, k, wq, wk, eps, pe):
         out.addcmul_(pe[..., 1], y_[..., 1])
         outs.append(out.reshape(*y.shape).type_as(y))
     return outs
-
-
-def check(out, ref, dtype):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    o, r = out.float(), ref.float()
-    assert torch.isfinite(o).all()
-    rel = ((o - r).norm() / r.norm()).item()
-    assert rel <= TOL[dtype], rel
-    if dtype != torch.float32:
-        differ = (out != ref).sum().item()
-        assert differ <= max(1, out.numel() // 1000), f"{differ} of {out.numel()} values differ"
 
 
 def bhld_as_blhd(batch, heads, tokens, head_dim, dtype):
