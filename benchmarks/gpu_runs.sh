@@ -44,6 +44,8 @@
 #                                           fp8_e4m3fn_fast / Patch / default; Wan default / Patch / fp8_e4m3fn_fast
 #   bash benchmarks/gpu_runs.sh s36m        lean against lean_merged (one mbarrier arrive a key tile), FP8 attention table only
 #   bash benchmarks/gpu_runs.sh s36w        lean against its polynomial-exponential variants, then s35w
+#   bash benchmarks/gpu_runs.sh s37         s36m; then on an H200 s36h (issue 12's table), on any other card Wan and
+#                                           Flux default / Patch / Patch+lean_merged
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -202,7 +204,12 @@ s36m)  # one "slot free" signal per key tile (sm90_lean_merged) against lean, ke
     timeout 110 python3 benchmarks/gluon_attention_bench.py --lite --shapes wan,flux --bf16-shapes "" \
       --configs sm90_lean,sm90_lean_merged --rep 100 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
     grep -A40 "== accuracy" $R/gluon.txt ;;
+s37)  # session 37: the merged-barrier timing first, then whatever the card that came can settle
+    bash "$0" s36m
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s36h; fi
+    e2e e2e_wan37 290 --models wan --variants default ours-all ours-all+lean_merged --steps 3
+    e2e e2e_flux37 120 --models flux --variants default ours-all ours-all+lean_merged --steps 5 ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37"; exit 2 ;;
 esac

@@ -659,14 +659,15 @@ cache_registry.register("kernels.attention_gluon_hopper.ones_descriptor", _ones_
 
 # TRITON_ACCEL_GLUON_VARIANT -> the FP8 config default_config() returns.
 _VARIANT_CONFIGS = {"default": "sm90_lean", "lean": "sm90_lean", "classic": "sm90", "lean_rowsum": "sm90_lean_rowsum",
-                    "lean_poly12": "sm90_lean_poly12", "lean_poly25": "sm90_lean_poly25"}
+                    "lean_poly12": "sm90_lean_poly12", "lean_poly25": "sm90_lean_poly25",
+                    "lean_merged": "sm90_lean_merged"}
 
 
 def default_config(device=None) -> dict:
     """GLUON_CONFIGS["sm90_lean"] (the measured loop: session 31 on an H100, 3-9 % faster kernels
     than "sm90" and 74 ms less per Wan 2.1 14B step), "sm90" under TRITON_ACCEL_GLUON_VARIANT=
-    classic, "sm90_lean_rowsum" / "sm90_lean_poly12" / "sm90_lean_poly25" under lean_rowsum /
-    lean_poly12 / lean_poly25 (benchmarks)."""
+    classic, "sm90_lean_rowsum" / "sm90_lean_poly12" / "sm90_lean_poly25" / "sm90_lean_merged"
+    under lean_rowsum / lean_poly12 / lean_poly25 / lean_merged (benchmarks)."""
     del device  # one target: sm_90
     return dict(GLUON_CONFIGS[_VARIANT_CONFIGS[env_settings.gluon_variant()]])
 

@@ -202,8 +202,9 @@ def test_every_config_names_its_loop_options():
     ("lean_rowsum", "sm90_lean_rowsum", {64: 2, 128: 2, 256: 1}),
     ("lean_poly12", "sm90_lean_poly12", {64: 1, 128: 1, 256: 1}),
     ("lean_poly25", "sm90_lean_poly25", {64: 1, 128: 1, 256: 1}),
+    ("lean_merged", "sm90_lean_merged", {64: 1, 128: 1, 256: 1}),
     ("fast", "sm90_lean", {64: 1, 128: 1, 256: 1}),
-], ids=["unset", "lean", "lean-spaced", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "unknown"])
+], ids=["unset", "lean", "lean-spaced", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "unknown"])
 def test_variant_setting_picks_the_default_configs(monkeypatch, value, fp8, bf16):
     if value is None:
         monkeypatch.delenv(env_settings.GLUON_VARIANT, raising=False)
