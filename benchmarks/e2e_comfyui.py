@@ -35,6 +35,8 @@ with:
   <variant>+rope, <variant>+norope  that variant with TRITON_ACCEL_FUSED_ROPE=1 (the default:
                Flux blocks write q and k normalised and rotated in the attention's layout) or 0
                (QK norm kernel, then ComfyUI's concatenation and RoPE)
+  <variant>+split, <variant>+nosplit  that variant with TRITON_ACCEL_SPLIT_TAIL=1 (the default:
+               the FP8 Linear's last partial wave of tiles cut along K) or 0 (every tile whole)
   <variant>+compile  that variant with ComfyUI's TorchCompileModel (inductor) applied last, as
                a user's graph puts it after the patch nodes ("default+compile" is ComfyUI's
                own compiled model); the first call, which compiles, is left out of the timing
@@ -420,6 +422,8 @@ NORMS_SUFFIXES = {"norms": "all", "nonorms": "off", "blocks": "blocks", "qk": "q
 GRAPH_SUFFIXES = {"graph": "1", "nograph": "0"}
 # +rope: TRITON_ACCEL_FUSED_ROPE=1 (the default); +norope: 0 (Flux blocks: QK norm, cat, ComfyUI's RoPE).
 ROPE_SUFFIXES = {"rope": "1", "norope": "0"}
+# +split: TRITON_ACCEL_SPLIT_TAIL=1 (the default); +nosplit: 0 (the FP8 Linear's tiles all whole).
+SPLIT_SUFFIXES = {"split": "1", "nosplit": "0"}
 # Calls before the timed steps where step graphs are on: two warm up, the third is recorded.
 GRAPH_WARMUP = 3
 
@@ -481,7 +485,7 @@ def split_variant(variant: str) -> tuple[str, str | None, bool]:
     parts = variant.split("+")
     gluon = next((p for p in parts[1:] if p in GLUON_VARIANT_SUFFIXES), None)
     rest = [p for p in parts[1:] if p not in GLUON_VARIANT_SUFFIXES and p != "compile" and p not in NORMS_SUFFIXES
-            and p not in GRAPH_SUFFIXES and p not in ROPE_SUFFIXES]
+            and p not in GRAPH_SUFFIXES and p not in ROPE_SUFFIXES and p not in SPLIT_SUFFIXES]
     return "+".join([parts[0], *rest]), gluon, "compile" in parts[1:]
 
 
@@ -526,8 +530,9 @@ def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, 
     norms = next((NORMS_SUFFIXES[p] for p in variant.split("+")[1:] if p in NORMS_SUFFIXES), None)
     graph = next((GRAPH_SUFFIXES[p] for p in variant.split("+")[1:] if p in GRAPH_SUFFIXES), None)
     rope = next((ROPE_SUFFIXES[p] for p in variant.split("+")[1:] if p in ROPE_SUFFIXES), None)
+    split = next((SPLIT_SUFFIXES[p] for p in variant.split("+")[1:] if p in SPLIT_SUFFIXES), None)
     with gluon_variant(gluon), fused_norms(norms), step_graph_setting(graph), \
-            env_setting("TRITON_ACCEL_FUSED_ROPE", rope):
+            env_setting("TRITON_ACCEL_FUSED_ROPE", rope), env_setting("TRITON_ACCEL_SPLIT_TAIL", split):
         row = run_variant_uncompiled(name, base_name, base, x, t, context, kwargs, steps, device, ref,
                                      dynamic_vram, compiled=compiled, tag=variant)
     row["variant"] = variant

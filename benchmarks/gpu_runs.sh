@@ -46,6 +46,9 @@
 #   bash benchmarks/gpu_runs.sh s36w        lean against its polynomial-exponential variants, then s35w
 #   bash benchmarks/gpu_runs.sh s37         s36m; then on an H200 s36h (issue 12's table), on any other card Wan and
 #                                           Flux default / Patch / Patch+lean_merged
+#   bash benchmarks/gpu_runs.sh s37b        the FP8 Linear's split tail: Linear tables with the split-tail table; Flux
+#                                           default / Patch / Patch+nosplit / Linear / fp8_e4m3fn_fast / Patch+nosplit /
+#                                           Patch / default; Wan default / Patch / fp8_e4m3fn_fast (issue 12's table)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -209,7 +212,12 @@ s37)  # session 37: the merged-barrier timing first, then whatever the card that
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s36h; fi
     e2e e2e_wan37 290 --models wan --variants default ours-all ours-all+lean_merged --steps 3
     e2e e2e_flux37 120 --models flux --variants default ours-all ours-all+lean_merged --steps 5 ;;
+s37b)  # the split tail (kernels/linear_fp8.tail_split) beside whole tiles, with issue 12's whole table
+    timeout 110 python3 benchmarks/linear_bench.py --no-sweep --out $R > $R/linear.txt 2>&1; tail -14 $R/linear.txt
+    e2e e2e_flux37b 300 --models flux --variants default ours-all ours-all+nosplit ours-linear comfy-fp8-fast \
+        ours-all+nosplit ours-all default --steps 5
+    e2e e2e_wan37b 280 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b"; exit 2 ;;
 esac

@@ -18,7 +18,11 @@ W8A8 kernel's correctness checks and tile sweep.
    the Hadamard rotation (accuracy only: what the rotation buys); torch._int_mm with a separate
    quantisation (cuBLAS INT8); ComfyUI's FP8-weight path (upcast the e4m3 weight x scale_weight
    to BF16 every call, then F.linear) beside our weight-only kernel on the same FP8 weight.
-Prints the tables last (methods table at the very end); writes linear.json under --out
+5. --tail (default: TAIL_SHAPES): the split tail (kernels/linear_fp8.tail_split) per shape:
+   GEMM alone with every tile whole, with the shipped split and with 2 / 3 / 4 slices forced,
+   the whole call (quantisation included) whole and split, cuBLAS BF16 beside; rel. L2 of
+   the split output against the whole one; the split counters checked zero afterwards.
+Prints the tables last (split-tail table at the very end); writes linear.json under --out
 (default: $OUT or .).
 """
 from __future__ import annotations
@@ -57,6 +61,20 @@ SHAPES = {
     "flux_proj": (4608, 3072, 3072),
     "flux_single_in": (5120, 3072, 21504),
     "flux_single_out": (5120, 15360, 3072),
+}
+# The split tail's shapes: Flux 1024²'s GEMMs whose last wave of 128x256 tiles is partial on
+# 132 SMs, as its step runs them (4096 image + 512 text tokens; the single blocks 4608), and
+# one Wan GEMM (full waves: no split) as the control.
+TAIL_SHAPES = {
+    "flux_mlp_down": (4608, 12288, 3072),
+    "flux_single_out_4608": (4608, 15360, 3072),
+    "flux_proj": (4608, 3072, 3072),
+    "flux_mlp_up": (4608, 3072, 12288),
+    "txt_qkv": (512, 3072, 9216),
+    "txt_proj": (512, 3072, 3072),
+    "txt_mlp_up": (512, 3072, 12288),
+    "txt_mlp_down": (512, 12288, 3072),
+    "wan_proj": (32760, 5120, 5120),
 }
 # The sweep: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA, FLATTEN, EPILOGUE_SUBTILE).
 # 128x128 and 64x256 tiles give twice the tiles of 128x256: fewer idle SMs in the last wave
@@ -376,6 +394,60 @@ def run_methods(name, x, w, b, y_bf16, methods, log):
     return res
 
 
+def run_tail(name, m, k, n, gen, log):
+    """The split tail at one shape: whole tiles, the shipped split, 2-4 slices forced."""
+    flops = 2.0 * m * n * k
+    x = activations(m, k, gen)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    fw = lf.quantize_weight(w)
+    xq, xs = lf.quantize_activation(x)
+    base = dict(lf.LINEAR_FP8_CONFIGS["sm90"])
+    whole = dict(base, SPLIT_TAIL=0)
+    props = torch.cuda.get_device_properties(0)
+    tiles = lf.cdiv(m, base["BLOCK_M"]) * lf.cdiv(n, base["BLOCK_N"])
+    plan = lf.tail_split(tiles, props.multi_processor_count, lf.cdiv(k, base["BLOCK_K"]), base["SPLIT_TAIL"],
+                         base["BLOCK_M"], base["BLOCK_N"])
+    res = dict(shape=name, M=m, K=k, N=n, tiles=tiles, split=plan.split, dp_tiles=plan.dp_tiles)
+    y_whole = lf.fp8_gemm(xq, xs, fw, b, torch.bfloat16, config=whole)
+    y_split = lf.fp8_gemm(xq, xs, fw, b, torch.bfloat16, config=base)
+    y_bf16 = F.linear(x, w, b)
+    res["rel_split_vs_whole"] = rel_l2(y_split, y_whole)
+    res["rel_split_vs_bf16"] = rel_l2(y_split, y_bf16)
+    res["repeat_equal"] = bool(torch.equal(y_split, lf.fp8_gemm(xq, xs, fw, b, torch.bfloat16, config=base)))
+    res["gemm_whole_ms"] = bench(lambda: lf.fp8_gemm(xq, xs, fw, b, torch.bfloat16, config=whole))
+    res["gemm_split_ms"] = bench(lambda: lf.fp8_gemm(xq, xs, fw, b, torch.bfloat16, config=base))
+    for forced in (2, 3, 4):
+        cfg = dict(base, TAIL_SPLIT_K=forced)
+        res[f"gemm_s{forced}_ms"] = bench(lambda cfg=cfg: lf.fp8_gemm(xq, xs, fw, b, torch.bfloat16, config=cfg))
+    res["full_whole_ms"] = bench(lambda: lf.fp8_linear(x, fw, b, config=whole))
+    res["full_split_ms"] = bench(lambda: lf.fp8_linear(x, fw, b, config=base))
+    res["cublas_ms"] = bench(lambda: F.linear(x, w, b))
+    torch.cuda.synchronize()
+    res["locks_zero"] = all(int(t[0].abs().sum()) == 0 for t in lf._tail_locks.values())
+    for key in list(res):
+        if key.endswith("_ms"):
+            res[key.replace("_ms", "_tflops")] = flops / res[key] / 1e9
+    log(f"  tail {res}")
+    return res
+
+
+def tail_table(rows, log):
+    log("\nSplit tail (TFLOP/s, do_bench medians; GEMM alone unless 'full' = quantisation + GEMM; "
+        "split = the shipped choice, sN = N slices forced)")
+    log(" | ".join(("shape", "tiles", "split", "GEMM whole", "GEMM split", "s2", "s3", "s4", "x split/whole",
+                    "full whole", "full split", "cuBLAS bf16", "x cuBLAS whole", "x cuBLAS split",
+                    "relL2 split/whole", "relL2 vs bf16", "repeat equal", "counters zero")))
+    for r in rows:
+        log(" | ".join([r["shape"], str(r["tiles"]), str(r["split"]), fmt(r["gemm_whole_tflops"], 0),
+                        fmt(r["gemm_split_tflops"], 0), fmt(r["gemm_s2_tflops"], 0), fmt(r["gemm_s3_tflops"], 0),
+                        fmt(r["gemm_s4_tflops"], 0), fmt(r["gemm_whole_ms"] / r["gemm_split_ms"], 3),
+                        fmt(r["full_whole_tflops"], 0), fmt(r["full_split_tflops"], 0), fmt(r["cublas_tflops"], 0),
+                        fmt(r["cublas_ms"] / r["full_whole_ms"]), fmt(r["cublas_ms"] / r["full_split_ms"]),
+                        fmt(r["rel_split_vs_whole"], 5), fmt(r["rel_split_vs_bf16"], 4), str(r["repeat_equal"]),
+                        str(r["locks_zero"])]))
+
+
 def fmt(v, p=2):
     return "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
 
@@ -419,6 +491,7 @@ def main():
                     help="shapes to time with the GELU epilogue (empty: none)")
     ap.add_argument("--methods", default=",".join(kernels.LINEAR_METHODS),
                     help="kernels.linear methods to time per shape (empty: none)")
+    ap.add_argument("--tail", default=",".join(TAIL_SHAPES), help="split-tail shapes (empty: none)")
     args = ap.parse_args()
     t0 = time.time()
     lines = []
@@ -461,6 +534,14 @@ def main():
         except Exception:
             log(f"gelu {name} failed:\n{traceback.format_exc()[-2000:]}")
         torch.cuda.empty_cache()
+    report["tail"] = []
+    for name in [t for t in args.tail.split(",") if t]:
+        m, k, n = TAIL_SHAPES[name]
+        try:
+            report["tail"].append(run_tail(name, m, k, n, gen, log))
+        except Exception:
+            log(f"tail {name} failed:\n{traceback.format_exc()[-2000:]}")
+        torch.cuda.empty_cache()
     report["seconds"] = time.time() - t0
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "linear.json").write_text(json.dumps(report, indent=1))
@@ -490,6 +571,8 @@ def main():
                             fmt(r["ours_then_gelu_ms"], 3), fmt(r["cublas_then_gelu_ms"], 3), fmt(r["gelu_pass_ms"], 3),
                             fmt(r["ours_plain_ms"], 3), fmt(r["ours_then_gelu_ms"] - r["fused_ms"], 3),
                             fmt(r["cublas_then_gelu_ms"] / r["fused_ms"]), fmt(r["fused_rel_vs_unfused_fp32"], 5)]))
+    if report["tail"]:
+        tail_table(report["tail"], log)
     log(f"total {time.time() - t0:.0f}s")
     (Path(args.out) / "linear.log").write_text("\n".join(lines) + "\n")
 

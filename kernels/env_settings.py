@@ -32,6 +32,7 @@ GLUON_VARIANTS = ("default", "lean", "classic", "lean_rowsum", "lean_poly12", "l
 FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
 FUSED_ROPE = "TRITON_ACCEL_FUSED_ROPE"
 STEP_GRAPH = "TRITON_ACCEL_STEP_GRAPH"
+SPLIT_TAIL = "TRITON_ACCEL_SPLIT_TAIL"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 
@@ -95,7 +96,14 @@ SETTINGS = (
             "step on an H100, the same output bit for bit), where nothing else patches or wraps the "
             "model, the weights stay on the GPU and no ComfyUI hooks change them; the recording is "
             "checked against the eager call and dropped when the weights change or sampling ends. "
-            "Off: every step runs eagerly."))
+            "Off: every step runs eagerly."),
+    Setting(SPLIT_TAIL, "on",
+            "The FP8 Linear GEMM on sm_90 cuts the last, partial wave of its output tiles along K "
+            "across the SMs the wave would leave idle (Flux's 4608 x 3072 outputs: 432 tiles on 132 "
+            "SMs run as 3 whole waves plus 36 tiles in 3 slices each instead of 4 waves; its 512 "
+            "text tokens' GEMMs: 2 slices a tile), summed in a fixed order (the same bits every "
+            "run). Read when a Linear call signature is first served. Off (any false word): every "
+            "tile whole."))
 
 
 def flag(name: str, default: bool) -> bool:
@@ -157,6 +165,11 @@ def fused_rope_enabled() -> bool:
 def step_graph_enabled() -> bool:
     """TRITON_ACCEL_STEP_GRAPH: on unless a false word."""
     return flag(STEP_GRAPH, True)
+
+
+def split_tail_enabled() -> bool:
+    """TRITON_ACCEL_SPLIT_TAIL: on unless a false word."""
+    return flag(SPLIT_TAIL, True)
 
 
 def user_cache_root() -> str:

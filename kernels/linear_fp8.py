@@ -48,7 +48,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     triton = None
     tl = None
 
-from . import cache_registry, direct_launch
+from . import cache_registry, direct_launch, env_settings
 from . import device as _device
 from .gpu_rules import feature_refusal
 from .kernel_common import arch_family, cdiv, family_in, fp8_device_refusal, next_pow2, sm_count
@@ -73,18 +73,31 @@ ALIGN_ELEMENTS = 16  # K and N multiple of 16: 16-byte TMA strides for e4m3, who
 # variant (TMA +1-15 %); GROUP_M 8/16/32 differ within the +-3 % run-to-run spread except
 # Flux's MLP up (16: +5-8 %) and down (8: +3 %), so 16. 1168-1317 TFLOP/s GEMM alone.
 # sm89 / sm120 (~100 KB of shared memory, mma.sync): 128x128x64 x 3 stages = 48 KB, untimed.
+# SPLIT_TAIL (sm90, interpreter): the last, partial wave of tiles is split along K (see
+# tail_split); its value is the cost of one partial tile's write and re-read, in K tiles of MMA
+# time (an estimate: 128 KB of fp32 through L2 at ~100 GB/s per SM against ~0.9 us per
+# 128x256x128 e4m3 K tile at 1200 TFLOP/s).
 LINEAR_FP8_CONFIGS = {
-    "sm90": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=3, TMA=True),
+    "sm90": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=3, TMA=True,
+                 SPLIT_TAIL=1.5),
     "sm89": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=False),
     # AMD with OCP FP8 dots (gfx950, gfx12; gpu_rules.amd_fp8_refusal): sm89's tile, which fits
     # 64 KB of LDS (32 KB as Triton 3.9 compiles it for gfx1201); untimed, not run on AMD here.
     "hip": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=False),
     # The interpreter runs on numpy: small tiles keep CPU tests fast and still walk several
     # tiles per program, partial tiles and several K steps.
-    "interpreter": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1, TMA=False),
+    "interpreter": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1, TMA=False,
+                        SPLIT_TAIL=0.25),
 }
 # Programs of the persistent grid under the interpreter (numpy has no SMs).
 INTERPRETER_PROGRAMS = 3
+# Split tail: at most this many K slices per tile; the rows of a partial tile summed at once
+# (tail_rows).
+TAIL_SPLIT_MAX = 8
+TAIL_ROWS = 32
+# Arrival counters of split tiles: one region of sm_count counters per call, taken in turn, so
+# that calls in flight at once (other streams) do not share counters unless this many apart.
+TAIL_LOCK_REGIONS = 64
 # Activation quantisation: rows up to this many elements are held in registers in one pass.
 QUANT_ONE_PASS_MAX = 16384
 QUANT_LOOP_BLOCK = 4096
@@ -194,6 +207,71 @@ def quantize_weight_rows(weight: torch.Tensor) -> Fp8LinearWeight:
 def config_family(arch: str) -> str:
     """The key of LINEAR_FP8_CONFIGS for a device arch ("sm90", "sm89", "sm120"...)."""
     return family_in(LINEAR_FP8_CONFIGS, arch_family(arch))
+
+
+class TailSplit(NamedTuple):
+    """How a GEMM launch splits its last wave: `split` K slices for each of the tiles from
+    `dp_tiles` on (1: none, every tile whole), `workspace` fp32 elements for their partials."""
+
+    split: int
+    dp_tiles: int
+    workspace: int
+
+
+def tail_split(tiles: int, programs: int, k_tiles: int, cost: float, block_m: int, block_n: int,
+               forced: int | None = None) -> TailSplit:
+    """The persistent GEMM's wave quantisation, undone where it pays. `tiles` output tiles on
+    `programs` SMs take ceil(tiles / programs) tile times although the work is tiles / programs
+    of them: Flux's 4608 x 3072 outputs have 432 tiles of 128x256, 3.27 waves on 132 SMs, run
+    in 4 (the last wave leaves 96 SMs idle). Here the whole waves stay whole tiles and the rest
+    (`tiles % programs`, or every tile of a GEMM with fewer tiles than SMs: Flux's 512 text
+    tokens) is cut along K into S slices, one program each, S <= programs // rest: the tail
+    then takes k_tiles / S K tiles plus the partials' traffic, `cost` K tiles for each slice
+    written and each read back (the last slice to finish sums all S, in a fixed order, and
+    runs the epilogue). S minimises k_tiles / S + cost * (S + 1); the split is taken where that
+    saves a tenth of the tail. `forced`: that S (benchmarks, tests), within the bounds."""
+    whole = TailSplit(1, tiles, 0)
+    rest = tiles % programs if tiles >= programs else tiles
+    if rest == 0 or k_tiles < 2:
+        return whole
+    most = min(programs // rest, k_tiles, TAIL_SPLIT_MAX)
+    if forced is not None:
+        s = min(int(forced), most)
+    elif not cost or most < 2:
+        return whole
+    else:
+        s = min(range(2, most + 1), key=lambda c: k_tiles / c + cost * (c + 1))
+        if k_tiles / s + cost * (s + 1) > 0.9 * k_tiles:
+            return whole
+    if s < 2:
+        return whole
+    return TailSplit(s, tiles - rest, rest * s * block_m * block_n)
+
+
+def tail_rows(split: int, block_m: int) -> int:
+    """Rows of a split tile the last slice sums at once: the SPLIT_K loads of a chunk are issued
+    together, so more slices take fewer rows (sm_90's 128x256 tile spills from 8 x 32 rows)."""
+    return min(block_m, TAIL_ROWS if split <= 4 else TAIL_ROWS // 2)
+
+
+_tail_locks: dict[tuple, list] = {}  # (device type, index) -> [int32 counters, next region]
+cache_registry.register("kernels.linear_fp8.tail_locks", _tail_locks.clear)
+
+
+def tail_lock_region(device: torch.device) -> torch.Tensor | None:
+    """Zeroed arrival counters for one split launch (each launch leaves them zero again): the
+    next of TAIL_LOCK_REGIONS regions of one per-device buffer. None inside a stream capture
+    before the buffer exists (made there, it would be filled only when the graph replays)."""
+    index = device.index or 0
+    entry = _tail_locks.get((device.type, index))
+    if entry is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        per = max(sm_count(index) if device.type == "cuda" else INTERPRETER_PROGRAMS, 1)
+        entry = _tail_locks[(device.type, index)] = [torch.zeros((TAIL_LOCK_REGIONS, per), dtype=torch.int32, device=device), 0]
+    locks, region = entry
+    entry[1] = (region + 1) % TAIL_LOCK_REGIONS
+    return locks[region]
 
 
 if triton is not None:
@@ -310,11 +388,50 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _tail_slice(unit, DP_TILES, k_tiles, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+        # Unit u of the split tail: tile DP_TILES + u // SPLIT_K, K tiles [k_lo, k_hi) of it.
+        # Consecutive units (one per program) are the slices of one tile.
+        tail = unit // SPLIT_K
+        part = unit % SPLIT_K
+        pid_m, pid_n = _tile_coords(DP_TILES + tail, num_pid_m, num_pid_n, GROUP_M)
+        return tail, pid_m, pid_n, part * k_tiles // SPLIT_K, (part + 1) * k_tiles // SPLIT_K
+
+    @triton.jit
+    def _tail_partial(acc, unit, tail, WS, LOCKS, C, SA, SB, BIAS, off_m, off_n, M, N, stride_cm, ACT_FROM,
+                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, RED_ROWS: tl.constexpr):
+        # One K slice's fp32 partial goes to its own workspace slot; the slice that arrives last
+        # at the tile's counter sums the SPLIT_K slots in slot order (the same bits whichever
+        # slice is last, so a launch repeats exactly), RED_ROWS rows at a time (a whole second
+        # fp32 tile would not fit the registers beside the first), then runs the epilogue.
+        # The barrier puts every thread's partial before the counter's release; the loads skip
+        # L1 (.cg): the other slices' partials were written by other SMs.
+        tile_elems = BLOCK_M * BLOCK_N
+        cols = tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
+        tl.store(WS + unit * tile_elems + rows[:, None] * BLOCK_N + cols[None, :], acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(LOCKS + tail, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            tl.atomic_xchg(LOCKS + tail, 0)  # zero again for the next launch
+            base = WS + tail * SPLIT_K * tile_elems  # < 2^31: at most 8 * sm_count slices
+            rn = off_n + cols
+            for r in tl.static_range(0, BLOCK_M, RED_ROWS):
+                offs = (r + tl.arange(0, RED_ROWS))[:, None] * BLOCK_N + cols[None, :]
+                total = tl.load(base + offs, cache_modifier=".cg")
+                for j in tl.static_range(1, SPLIT_K):
+                    total += tl.load(base + j * tile_elems + offs, cache_modifier=".cg")
+                rm = off_m + r + tl.arange(0, RED_ROWS)
+                out = _activation(_scale_bias(total, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS), rn, ACT, ACT_FROM)
+                _store_tile(C, out, rm, rn, M, N, stride_cm)
+
+    @triton.jit
     def _fp8_linear_tma(
-        a_desc, b_desc, c_desc, s_desc, SA, SB, BIAS, M, N, K, ACT_FROM,
+        a_desc, b_desc, c_desc, s_desc, SA, SB, BIAS, M, N, K, ACT_FROM, C, WS, LOCKS, DP_TILES,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-        EPILOGUE_SUBTILE: tl.constexpr, ACT: tl.constexpr, SPLIT_ACT: tl.constexpr,
+        EPILOGUE_SUBTILE: tl.constexpr, ACT: tl.constexpr, SPLIT_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
+        RED_ROWS: tl.constexpr,
     ):
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -322,7 +439,8 @@ if triton is not None:
         # FLATTEN folds the tile loop and the K loop into one software-pipelined loop (Triton's
         # persistent-matmul tutorial): the next tile's first TMA loads are issued while this
         # tile's epilogue runs, instead of the pipeline draining and refilling per tile.
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
+        # Tiles from DP_TILES on are the split tail (tail_split), after this loop.
+        for tile in tl.range(tl.program_id(0), DP_TILES, NUM_PROGRAMS, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -357,18 +475,32 @@ if triton is not None:
                 if SPLIT_ACT:
                     if off_n >= ACT_FROM:
                         s_desc.store([off_m, off_n - ACT_FROM], out)
+        if SPLIT_K > 1:
+            for unit in range(tl.program_id(0), (num_pid_m * num_pid_n - DP_TILES) * SPLIT_K, NUM_PROGRAMS):
+                tail, pid_m, pid_n, k_lo, k_hi = _tail_slice(unit, DP_TILES, k_tiles, num_pid_m, num_pid_n, GROUP_M,
+                                                             SPLIT_K)
+                off_m = pid_m * BLOCK_M
+                off_n = pid_n * BLOCK_N
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for ki in range(k_lo, k_hi):
+                    a = a_desc.load([off_m, ki * BLOCK_K])
+                    b = b_desc.load([off_n, ki * BLOCK_K])
+                    acc = tl.dot(a, b.T, acc)
+                _tail_partial(acc, unit, tail, WS, LOCKS, C, SA, SB, BIAS, off_m, off_n, M, N, N, ACT_FROM, HAS_BIAS,
+                              ACT, SPLIT_K, BLOCK_M, BLOCK_N, RED_ROWS)
 
     @triton.jit
     def _fp8_linear_ptr(
-        A, B, C, S, SA, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm, stride_sm, ACT_FROM,
+        A, B, C, S, SA, SB, BIAS, M, N, K, stride_am, stride_bn, stride_cm, stride_sm, ACT_FROM, WS, LOCKS,
+        DP_TILES,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
-        SPLIT_ACT: tl.constexpr,
+        SPLIT_ACT: tl.constexpr, SPLIT_K: tl.constexpr, RED_ROWS: tl.constexpr,
     ):
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        for tile in tl.range(tl.program_id(0), DP_TILES, NUM_PROGRAMS):
             rm, rn, a_ptrs, b_ptrs = _tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n,
                                                     GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -381,6 +513,22 @@ if triton is not None:
             _store_tile(C, out, rm, rn, M, N, stride_cm)
             if SPLIT_ACT:  # masked: tiles left of ACT_FROM store nothing there
                 _store_activated_copy(S, out, rm, rn, M, N, stride_sm, ACT_FROM)
+        if SPLIT_K > 1:  # the split tail (no SPLIT_ACT: the launcher does not split those)
+            for unit in range(tl.program_id(0), (num_pid_m * num_pid_n - DP_TILES) * SPLIT_K, NUM_PROGRAMS):
+                tail, pid_m, pid_n, k_lo, k_hi = _tail_slice(unit, DP_TILES, k_tiles, num_pid_m, num_pid_n, GROUP_M,
+                                                             SPLIT_K)
+                rm, rn, a_ptrs, b_ptrs = _tile_operands(DP_TILES + tail, A, B, M, N, stride_am, stride_bn, num_pid_m,
+                                                        num_pid_n, GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)
+                a_ptrs += k_lo * BLOCK_K
+                b_ptrs += k_lo * BLOCK_K
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for ki in range(k_lo, k_hi):
+                    a, b = _load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0.0, 0.0)
+                    acc = tl.dot(a, tl.trans(b), acc)
+                    a_ptrs += BLOCK_K
+                    b_ptrs += BLOCK_K
+                _tail_partial(acc, unit, tail, WS, LOCKS, C, SA, SB, BIAS, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N,
+                              stride_cm, ACT_FROM, HAS_BIAS, ACT, SPLIT_K, BLOCK_M, BLOCK_N, RED_ROWS)
 
 
 class _CudaFacts(NamedTuple):
@@ -510,22 +658,29 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
                         None if act_out is None else act_out.data_ptr() % 16)
         plan = direct_launch.lookup(key)
         if plan is not None:
-            tma, blocks = _gemm_layouts[key]
-            direct_launch.launch(plan, device.index, _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks,
-                                                                 act_from, act_out=act_out))
-            return out
+            tma, blocks, tail = _gemm_layouts[key]
+            args = _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks, act_from, act_out=act_out, tail=tail)
+            if args is not None:
+                direct_launch.launch(plan, device.index, args)
+                return out
     if config is None:
         cfg = default_config(device, True) if interpreter else _cuda_facts(device).config
     else:
         cfg = config
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = cdiv(m, bm) * cdiv(n, bn)
-    programs = min(tiles, INTERPRETER_PROGRAMS if interpreter else sm_count(device.index or 0))
+    sms = INTERPRETER_PROGRAMS if interpreter else sm_count(device.index or 0)
     split = act_out is not None
+    tail = TailSplit(1, tiles, 0)
+    if not split and (cfg.get("TAIL_SPLIT_K") or (cfg.get("SPLIT_TAIL") and env_settings.split_tail_enabled())):
+        # The activated copy (SPLIT_ACT) has no split form: its tiles stay whole.
+        tail = tail_split(tiles, sms, cdiv(k, bk), cfg.get("SPLIT_TAIL", 0), bm, bn, cfg.get("TAIL_SPLIT_K"))
+    programs = sms if tail.split > 1 else min(tiles, sms)
     consts = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
                   NUM_PROGRAMS=programs, ACT=epilogue_act(int(act), device, out_dtype), SPLIT_ACT=split)
-    tma = (bool(cfg.get("TMA")) and not interpreter
-           and _tma_usable(x_fp8, w.weight, host_tma=_cuda_facts(device).host_tma)
+    # The interpreter takes the TMA kernel only when a test's config asks for it by name.
+    tma = (bool(cfg.get("TMA")) and (not interpreter or config is not None)
+           and _tma_usable(x_fp8, w.weight, host_tma=None if interpreter else _cuda_facts(device).host_tma)
            # The TMA epilogue copies whole tiles: the copy must start on a tile and its rows
            # (and base) be 16-byte aligned; otherwise the pointer kernel copies per element.
            and (not split or (act_from % bn == 0 and act_out.data_ptr() % 16 == 0
@@ -540,32 +695,47 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
         consts.update(EVEN_K=k % bk == 0)
         blocks = None
         fn, order = _fp8_linear_ptr, _PTR_CONSTEXPRS
-    args = _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks, act_from, act_out=act_out)
+    args = _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks, act_from, act_out=act_out, tail=tail)
+    if args is None:  # no counters for a split inside this capture: whole tiles
+        tail = TailSplit(1, tiles, 0)
+        programs = consts["NUM_PROGRAMS"] = min(tiles, sms)
+        args = _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks, act_from, act_out=act_out, tail=tail)
+    consts.update(SPLIT_K=tail.split, RED_ROWS=tail_rows(tail.split, bm))
     kernel = fn[(programs,)](*args, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if key is not None and kernel is not None:
         # How to rebuild the arguments for the plan (descriptors are per call: new tensors).
-        _gemm_layouts[key] = (tma, blocks)
+        _gemm_layouts[key] = (tma, blocks, tail)
         direct_launch.record(key, kernel, (programs,), tuple(consts[n] for n in order), args, out=out,
                              rebind=lambda probe: _gemm_args(tma, x_fp8, x_scale, w, bias_arg, probe, blocks,
-                                                             act_from, act_out=act_out))
+                                                             act_from, act_out=act_out, tail=tail))
     return out
 
 
 def _gemm_args(tma: bool, x_fp8, x_scale, w: Fp8LinearWeight, bias_arg, out, blocks, act_from: int,
-               w_desc=None, act_out=None, templates=None) -> tuple:
+               w_desc=None, act_out=None, templates=None, *, tail: TailSplit) -> tuple | None:
     """The GEMM kernels' runtime arguments (constexprs excluded), in signature order. `w_desc`:
     the weight's TMA descriptor when the caller keeps one (it only changes with the weight).
     Without `act_out` the output stands in for it (SPLIT_ACT off: never written). `templates`:
     the (x, output, activated copy) descriptors of an earlier call of this signature, rebased
-    onto this call's tensors (_rebased) instead of built."""
+    onto this call's tensors (_rebased) instead of built. `tail`: the launch's TailSplit; a
+    split's workspace is allocated here, per call. None where a split launch finds no counters
+    (tail_lock_region)."""
     m, k = x_fp8.shape
     n = out.shape[1]
+    if tail.split == 1:
+        # Unused by the kernel (SPLIT_K 1): placeholders of the right kind, every tile whole.
+        split_args = (x_scale, x_scale, tail.dp_tiles)
+    else:
+        locks = tail_lock_region(out.device)
+        if locks is None:
+            return None
+        split_args = (torch.empty(tail.workspace, dtype=torch.float32, device=out.device), locks, tail.dp_tiles)
     if tma:
         if templates is not None:
             c_desc = _rebased(templates[1], out)
             return (_rebased(templates[0], x_fp8), w_desc, c_desc,
                     c_desc if act_out is None else _rebased(templates[2], act_out), x_scale, w.scale, bias_arg, m, n,
-                    k, act_from)
+                    k, act_from, out, *split_args)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         bm, bn, bk, bn_out = blocks
@@ -575,10 +745,10 @@ def _gemm_args(tma: bool, x_fp8, x_scale, w: Fp8LinearWeight, bias_arg, out, blo
         s_desc = c_desc if act_out is None else TensorDescriptor(act_out, [m, n - act_from], [n - act_from, 1],
                                                                  [bm, bn_out])
         return (TensorDescriptor(x_fp8, [m, k], [k, 1], [bm, bk]), w_desc, c_desc, s_desc, x_scale, w.scale,
-                bias_arg, m, n, k, act_from)
+                bias_arg, m, n, k, act_from, out, *split_args)
     s = out if act_out is None else act_out
     return (x_fp8, w.weight, out, s, x_scale, w.scale, bias_arg, m, n, k, x_fp8.stride(0), w.weight.stride(0),
-            out.stride(0), s.stride(0), act_from)
+            out.stride(0), s.stride(0), act_from, *split_args)
 
 
 def _rebased(template, base: torch.Tensor):
@@ -649,12 +819,14 @@ class DirectCall:
     Returns None, and the caller takes the checked path, while a plan is not verified yet (the
     JIT launch verifies it on the second call) or direct launches are off."""
 
-    __slots__ = ("quant_key", "gemm_key", "tma", "blocks", "w", "m", "n", "k", "out_dtype", "act_from",
+    __slots__ = ("quant_key", "gemm_key", "tma", "blocks", "tail", "w", "m", "n", "k", "out_dtype", "act_from",
                  "device", "device_index", "bias_align", "act_out_align", "w_desc", "templates")
 
     def __init__(self, quant_key, gemm_key, tma, blocks, w: Fp8LinearWeight, m, n, k, out_dtype, act_from,
-                 device, bias_align, act_out_align=None):
+                 device, bias_align, act_out_align=None, tail: TailSplit | None = None):
         self.quant_key, self.gemm_key, self.tma, self.blocks = quant_key, gemm_key, tma, blocks
+        # The split the plan was compiled for (its SPLIT_K); None: whole tiles.
+        self.tail = tail if tail is not None else TailSplit(1, cdiv(m, blocks[0]) * cdiv(n, blocks[1]), 0)
         self.w, self.m, self.n, self.k, self.out_dtype, self.act_from = w, m, n, k, out_dtype, act_from
         self.device, self.device_index, self.bias_align = device, device.index or 0, bias_align
         self.act_out_align = act_out_align  # None: calls without the activated copy
@@ -678,7 +850,9 @@ class DirectCall:
         out = torch.empty((m, n), dtype=self.out_dtype, device=device)
         args = _gemm_args(self.tma, y, s, self.w, s if bias is None else bias, out, self.blocks, self.act_from,
                           self.w_desc, None if act_out is None else act_out.view(m, n - self.act_from),
-                          self.templates)
+                          self.templates, tail=self.tail)
+        if args is None:
+            return None
         if self.tma and self.templates is None:
             # Without their bases: a template holding this call's output and e4m3 input would
             # keep them alive as long as the DirectCall (gigabytes over a model's layers).
@@ -773,9 +947,9 @@ def direct_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     layout = _gemm_layouts.get(gemm_key)
     if layout is None:
         return None
-    tma, blocks = layout
+    tma, blocks, tail = layout
     return DirectCall(quant_key, gemm_key, tma, blocks, w, m, n, k, out_dtype, int(act_from), device, bias_align,
-                      act_out_align)
+                      act_out_align, tail)
 
 
 # The kernels' constexpr names in signature order: a direct launch appends their values.
@@ -785,9 +959,10 @@ _PTR_CONSTEXPRS = direct_launch.constexpr_order(_fp8_linear_ptr) if triton is no
 
 
 def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, tma: bool | None = None,
-                  act: int = 0, split: bool = False):
+                  act: int = 0, split: bool = False, split_k: int = 1):
     """[(kernel, signature, constexprs, attrs, options)] for triton.compile(ASTSource(...)): the
-    activation quantisation and the GEMM as a launch on contiguous tensors specialises them."""
+    activation quantisation and the GEMM as a launch on contiguous tensors specialises them.
+    `split_k`: the GEMM with its last wave split that many ways along K (tail_split)."""
     quant_sig = {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32", "K": "i32", "stride_xm": "i32",
                  "BLOCK_K": "constexpr", "ONE_PASS": "constexpr", "EXACT_CAST": "constexpr"}
     quant_const = dict(BLOCK_K=8192, ONE_PASS=True, EXACT_CAST=False)
@@ -801,17 +976,22 @@ def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, 
         subtile = _subtiled(config, out_dtype == "fp32") or split
         c_type = f"tensordesc<{out_dtype}[{bm}, {bn // 2 if subtile else bn}]>"
         sig = {"a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
-               "c_desc": c_type, "s_desc": c_type, **scalars, "ACT_FROM": "i32"}
+               "c_desc": c_type, "s_desc": c_type, **scalars, "ACT_FROM": "i32", "C": f"*{out_dtype}"}
         const.update(FLATTEN=bool(config.get("FLATTEN", False)), EPILOGUE_SUBTILE=subtile)
-        fn, aligned = _fp8_linear_tma, ["SA", "SB", "BIAS", "N", "K"]
+        fn, aligned = _fp8_linear_tma, ["SA", "SB", "BIAS", "N", "K", "C"]
     else:
         sig = {"A": "*fp8e4nv", "B": "*fp8e4nv", "C": f"*{out_dtype}", "S": f"*{out_dtype}", **scalars,
                "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32", "stride_sm": "i32", "ACT_FROM": "i32"}
         fn, aligned = _fp8_linear_ptr, ["A", "B", "C", "S", "SA", "SB", "BIAS", "N", "K", "stride_am", "stride_bn",
                                         "stride_cm", "stride_sm"]
         const["EVEN_K"] = True
+    # The split tail's workspace and counters (placeholders, the x scales, without a split).
+    sig.update(WS="*fp32", LOCKS="*i32" if split_k > 1 else "*fp32", DP_TILES="i32")
+    aligned += ["WS", "LOCKS"]
     const["ACT"] = int(act)
-    const["SPLIT_ACT"] = bool(split)  # the kernels' last constexpr
+    const["SPLIT_ACT"] = bool(split)
+    const["SPLIT_K"] = int(split_k)
+    const["RED_ROWS"] = tail_rows(split_k, bm)  # the kernels' last constexpr
     for name in const:
         sig[name] = "constexpr"
     names = list(sig)
@@ -822,4 +1002,4 @@ def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, 
 
 __all__ = ["prepare", "run_linear", "Fp8LinearWeight", "Fp8LinearUnsupportedError", "LINEAR_FP8_CONFIGS", "quantize_weight",
            "quantize_weight_rows", "quantize_activation", "fp8_gemm", "fp8_linear", "config_family", "compile_specs", "FP8_MAX",
-           "ACTIVATIONS", "ACT_GELU_TANH_HW", "epilogue_act"]
+           "ACTIVATIONS", "ACT_GELU_TANH_HW", "epilogue_act", "TailSplit", "tail_split", "tail_lock_region"]

@@ -42,6 +42,11 @@ GOOD = [(90, "sm90", True, "bf16", True), (90, "sm90", False, "fp16", False),
 SPLIT = [(90, "sm90", True, "bf16", True, {"SPLIT": True}), (90, "sm90", False, "bf16", True, {"SPLIT": True}),
          (89, "sm89", False, "bf16", True, {"SPLIT": True}), (120, "sm120", False, "fp16", True, {"SPLIT": True})]
 GOOD += SPLIT
+# The split tail (tail_split): sm_90's shipped tile with 3 slices (Flux's 4608 x 3072 outputs)
+# and 8 (the most), with the GELU epilogue; sm_89's pointer kernel with 2.
+TAIL = [(90, "sm90", True, "bf16", True, {"SPLIT_K": 3}), (90, "sm90", True, "bf16", True, {"SPLIT_K": 8}),
+        (90, "sm90", True, "bf16", True, {"SPLIT_K": 3, "ACT": 2}), (89, "sm89", False, "bf16", True, {"SPLIT_K": 2})]
+GOOD += TAIL
 BAD = [(80, "sm89", False, "bf16", True), (86, "sm89", False, "bf16", False)]
 
 WORKER = r"""
@@ -68,14 +73,19 @@ def compile_job(job):
     from triton.compiler import ASTSource
     cfg = dict(lf.LINEAR_FP8_CONFIGS[lf.config_family(family)], **(job[5] if len(job) > 5 else {}))
     split = cfg.pop("SPLIT", False)
+    split_k = cfg.pop("SPLIT_K", 1)
+    act = cfg.pop("ACT", 1 if split else 0)
+    sys.path.insert(0, os.path.join(root, "tests", "compile"))
+    from compile_report import disassemble, spills
     out = []
-    for fn, sig, const, attrs, opts in lf.compile_specs(cfg, out_dtype, bias, tma, act=1 if split else 0,
-                                                        split=split):
+    for fn, sig, const, attrs, opts in lf.compile_specs(cfg, out_dtype, bias, tma, act=act, split=split,
+                                                        split_k=split_k):
         name = fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__
         try:
             k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cc, 32), options=opts)
+            sass = disassemble(k.asm["cubin"], triton) if split_k > 1 else None
             out.append(dict(kernel=name, ok=True, cubin=len(k.asm.get("cubin", b"")), shared=k.metadata.shared,
-                            ptx=k.asm.get("ptx", "")))
+                            ptx=k.asm.get("ptx", ""), spills=None if sass is None else spills(sass)))
         except Exception as e:
             out.append(dict(kernel=name, ok=False, error=f"{type(e).__name__}: {e}"[-600:]))
     return out
@@ -110,6 +120,8 @@ def _ids(jobs):
     def extra(j):
         if len(j) <= 5:
             return ""
+        if j[5].get("SPLIT_K"):
+            return f"-tail{j[5]['SPLIT_K']}" + ("-gelu" if j[5].get("ACT") else "")
         return "-split-act" if j[5].get("SPLIT") else "-flat-sub"
     return [f"sm{j[0]}-{'tma' if j[2] else 'ptr'}-{j[3]}{'-bias' if j[4] else ''}{extra(j)}" for j in jobs]
 
@@ -137,6 +149,27 @@ def test_compiles_with_fp8_mma(report, job):
             assert len(stores) >= 4, f"{len(stores)} TMA stores: the activated copy is not stored"
         else:
             assert len(re.findall(r"st\.global", gemm["ptx"])) > 0
+
+
+@pytest.mark.parametrize("job", TAIL, ids=_ids(TAIL))
+def test_split_tail_compiles_without_spills(report, job):
+    """The split tail adds one arrival counter (an acquire-release atomic behind a CTA barrier),
+    the partial's stores and the last slice's L1-bypassing loads, and no shared memory: sm_90's
+    tile keeps the unsplit launch's 3-stage ring, and no register spills (the partials are
+    summed 32 or 16 rows at a time, tail_rows)."""
+    results = report[_key(job)]
+    gemm = results[-1]
+    assert gemm["ok"], gemm.get("error")
+    whole = report[_key(GOOD[0] if job[0] == 90 else GOOD[2])][-1]
+    assert gemm["shared"] == whole["shared"], (gemm["shared"], whole["shared"])
+    ptx = gemm["ptx"]
+    assert re.search(r"atom\.global\.(gpu\.acq_rel|acq_rel\.gpu)\.add\.u32", ptx), "no acquire-release arrival counter"
+    assert "bar.sync" in ptx or "barrier.sync" in ptx
+    assert len(re.findall(r"ld\.global\.cg", ptx)) >= job[5]["SPLIT_K"], "partials read through L1"
+    assert re.search(r"atom\.global\.[a-z_.]*exch\.b32", ptx), "the counter is not zeroed for the next launch"
+    if gemm["spills"] is None:
+        pytest.skip("no cuobjdump beside this Triton")
+    assert gemm["spills"] == 0, gemm["spills"]
 
 
 @pytest.mark.parametrize("job", BAD, ids=_ids(BAD))

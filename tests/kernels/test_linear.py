@@ -455,7 +455,7 @@ def test_direct_call_keys_are_the_checked_paths_keys(monkeypatch):
         lf.run_linear(x.reshape(-1, 64), prepared.weight, prepared.scale, bias, 0, out_dtype, act=act, act_from=16)
         quant_key, gemm_key = recorded
         assert quant_key[0] == "fp8_quant_rows" and gemm_key[0] == "fp8_gemm"
-        monkeypatch.setitem(lf._gemm_layouts, gemm_key, (False, None))
+        monkeypatch.setitem(lf._gemm_layouts, gemm_key, (False, None, lf.TailSplit(1, 1, 0)))
         direct = lf.direct_call(x, prepared.weight, prepared.scale, bias, out_dtype, act, 16)
         assert direct is not None
         assert (direct.quant_key, direct.gemm_key) == (quant_key, gemm_key)
@@ -491,7 +491,7 @@ def test_quantize_once_shares_one_quantisation_between_the_layers_that_read_x(mo
         prepared = kernels.prepare_weight(weights(n, 64, gen), "fp8_w8a8")
         gemm_key = lf._gemm_key(torch.device("cpu"), 18, n, 64, torch.bfloat16, False, 0, 0, None,
                                 lf.Fp8LinearWeight(prepared.weight, prepared.scale), 0, 64, 0, 0, torch.float32, None)
-        monkeypatch.setitem(lf._gemm_layouts, gemm_key, (False, None))
+        monkeypatch.setitem(lf._gemm_layouts, gemm_key, (False, None, lf.TailSplit(1, 1, 0)))
         calls.append(lf.direct_call(activations((2, 9), 64, torch.bfloat16, gen), prepared.weight, prepared.scale,
                                     None, torch.bfloat16))
     assert all(c is not None for c in calls)
@@ -536,7 +536,7 @@ def test_quantize_once_with_rows_made_elsewhere(monkeypatch):
     prepared = kernels.prepare_weight(weights(48, 64, gen), "fp8_w8a8")
     gemm_key = lf._gemm_key(torch.device("cpu"), 18, 48, 64, torch.bfloat16, False, 0, 0, None,
                             lf.Fp8LinearWeight(prepared.weight, prepared.scale), 0, 64, 0, 0, torch.float32, None)
-    monkeypatch.setitem(lf._gemm_layouts, gemm_key, (False, None))
+    monkeypatch.setitem(lf._gemm_layouts, gemm_key, (False, None, lf.TailSplit(1, 1, 0)))
     x = activations((2, 9), 64, torch.bfloat16, gen)
     call = lf.direct_call(x, prepared.weight, prepared.scale, None, torch.bfloat16)
     rows = (torch.zeros(18, 64, dtype=torch.float8_e4m3fn), torch.ones(18))

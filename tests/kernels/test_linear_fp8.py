@@ -236,3 +236,118 @@ def test_direct_call_keeps_no_call_tensor_alive(monkeypatch):
     gc.collect()
     assert all(ref() is None for ref in outs)
     assert call.templates is not None and all(d.base is None for d in call.templates)
+
+
+# The split tail (tail_split): (tiles, programs, K tiles, cost) -> (split, tiles kept whole).
+TAIL_PLANS = {
+    # Flux 1024² on 132 SMs with sm90's 128x256x128 tiles and cost.
+    "flux_mlp_down_4608": ((432, 132, 96, 1.5), (3, 396)),
+    "flux_mlp_up_4608": ((1728, 132, 24, 1.5), (4, 1716)),
+    "flux_text_mlp_down": ((48, 132, 96, 1.5), (2, 0)),
+    "flux_text_qkv": ((144, 132, 24, 1.5), (4, 132)),
+    # Wan 2.1 14B's projections: 5120 tiles, the last wave 104 of 132 wide: no room for 2 slices.
+    "wan_proj": ((5120, 132, 40, 1.5), (1, 5120)),
+    "full_waves": ((264, 132, 96, 1.5), (1, 264)),
+    "one_k_tile": ((40, 132, 1, 1.5), (1, 40)),
+    "not_worth_it": ((133, 132, 2, 1.5), (1, 133)),  # 1 K tile saved, 4.5 K tiles of traffic
+    "off": ((432, 132, 96, 0), (1, 432)),
+}
+
+
+@pytest.mark.parametrize("case", list(TAIL_PLANS.values()), ids=list(TAIL_PLANS))
+def test_tail_split_plans(case):
+    (tiles, programs, k_tiles, cost), (split, whole) = case
+    plan = lf.tail_split(tiles, programs, k_tiles, cost, 128, 256)
+    assert (plan.split, plan.dp_tiles) == (split, whole)
+    assert plan.workspace == (0 if split == 1 else (tiles - whole) * split * 128 * 256)
+    if split > 1:
+        # One slice per program at most, and whole waves before the tail.
+        assert (tiles - whole) * split <= programs and whole % programs == 0
+
+
+def test_tail_split_forced_stays_in_bounds():
+    assert lf.tail_split(432, 132, 96, 0, 128, 256, forced=3)[:2] == (3, 396)
+    assert lf.tail_split(432, 132, 96, 0, 128, 256, forced=8).split == 3  # 132 // 36 programs
+    assert lf.tail_split(4, 3, 2, 0, 16, 32, forced=5).split == 2  # 2 K tiles
+    assert lf.tail_split(6, 3, 9, 0, 16, 32, forced=4).split == 1  # full waves
+
+
+# (M, K, N) on the interpreter's 3 programs and 16x32x32 tiles, each leaving a partial last wave:
+# 4 tiles (3 whole + 1 split), 1 tile (fewer tiles than programs), 4 tiles with a K tail and
+# partial row / column tiles.
+TAIL_SHAPES = {
+    "one_tile_left": (20, 192, 48),
+    "fewer_tiles_than_programs": (1, 256, 32),
+    "k_tail_partial_tiles": (30, 176, 48),
+}
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("shape", list(TAIL_SHAPES.values()), ids=list(TAIL_SHAPES))
+def test_split_tail_matches_reference(monkeypatch, tma, split, shape):
+    """The split tiles' partials summed by the last slice, then the same epilogue (row x
+    channel scales, bias, GELU): as close to the emulation as whole tiles are, the counters
+    zero again afterwards, and a repeat gives the same bits."""
+    if tma:
+        pytest.importorskip("triton.tools.tensor_descriptor")
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m + k + n + split)
+    x, w = activations(m, k, torch.bfloat16, gen), weights(n, k, gen)
+    b = (torch.randn(n, generator=gen) * 3).to(torch.bfloat16)
+    fw = lf.quantize_weight(w)
+    xq, xs = lf.quantize_activation(x)
+    regions = []
+    take = lf.tail_lock_region
+    monkeypatch.setattr(lf, "tail_lock_region", lambda device: regions.append(take(device)) or regions[-1])
+    base = dict(lf.LINEAR_FP8_CONFIGS["interpreter"], TMA=tma)
+    for act, out_dtype in ((0, torch.float32), (lf.ACTIVATIONS["gelu_tanh"], torch.bfloat16)):
+        whole = lf.fp8_gemm(xq, xs, fw, b, out_dtype, config=dict(base, SPLIT_TAIL=0), act=act, act_from=16)
+        assert not regions
+        cfg = dict(base, TAIL_SPLIT_K=split)
+        out = lf.fp8_gemm(xq, xs, fw, b, out_dtype, config=cfg, act=act, act_from=16)
+        assert len(regions) == 1, "the split path was not taken"
+        assert int(regions.pop().abs().sum()) == 0, "arrival counters left non-zero"
+        expect = ref.linear_fp8_reference(x, fw, b, torch.float32)
+        if act:
+            gelu = torch.nn.functional.gelu(expect, approximate="tanh")
+            expect = torch.cat([expect[:, :16], gelu[:, 16:]], dim=1)
+        assert rel_l2(out, expect) <= TOL_EMU[out_dtype]
+        # Only fp32 summation order separates split from whole tiles.
+        assert rel_l2(out, whole) <= (1e-6 if out_dtype == torch.float32 else 4e-3)
+        assert torch.equal(out, lf.fp8_gemm(xq, xs, fw, b, out_dtype, config=cfg, act=act, act_from=16))
+        regions.clear()
+
+
+def test_split_tail_default_setting_and_activated_copy(monkeypatch):
+    """The interpreter's shipped config splits a partial last wave; TRITON_ACCEL_SPLIT_TAIL=0
+    keeps every tile whole; a call writing the activated copy (SPLIT_ACT) is never split."""
+    env = importlib.import_module("triton_accel.kernels.env_settings")
+    m, k, n = TAIL_SHAPES["one_tile_left"]
+    gen = torch.Generator().manual_seed(3)
+    x, w = activations(m, k, torch.bfloat16, gen), weights(n, k, gen)
+    fw = lf.quantize_weight(w)
+    xq, xs = lf.quantize_activation(x)
+    calls = []
+    take = lf.tail_lock_region
+    monkeypatch.setattr(lf, "tail_lock_region", lambda device: calls.append(device) or take(device))
+    plain = lf.fp8_gemm(xq, xs, fw, None, torch.bfloat16)
+    assert len(calls) == 1
+    monkeypatch.setenv(env.SPLIT_TAIL, "0")
+    assert torch.allclose(lf.fp8_gemm(xq, xs, fw, None, torch.bfloat16).float(), plain.float(), rtol=8e-3, atol=1e-3)
+    assert len(calls) == 1
+    monkeypatch.delenv(env.SPLIT_TAIL)
+    act_out = torch.empty(m, n - 16, dtype=torch.bfloat16)
+    lf.fp8_gemm(xq, xs, fw, None, torch.bfloat16, act=lf.ACTIVATIONS["gelu_tanh"], act_from=16, act_out=act_out)
+    assert len(calls) == 1
+
+
+def test_tail_lock_regions_rotate_and_wait_for_capture(monkeypatch):
+    """Each split launch takes the next region of counters (launches in flight on other streams
+    do not share them), and inside a stream capture none is made (it would be zeroed only when
+    the graph replays): the launch then keeps every tile whole."""
+    monkeypatch.setattr(lf, "_tail_locks", {})
+    first, second = lf.tail_lock_region(torch.device("cpu")), lf.tail_lock_region(torch.device("cpu"))
+    assert first.data_ptr() != second.data_ptr() and int(first.abs().sum()) == 0
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert lf.tail_lock_region(torch.device("cuda", 0)) is None
