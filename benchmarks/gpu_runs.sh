@@ -49,6 +49,8 @@
 #   bash benchmarks/gpu_runs.sh s37b        the FP8 Linear's split tail: Linear tables with the split-tail table; Flux
 #                                           default / Patch / Patch+nosplit / Linear / fp8_e4m3fn_fast / Patch+nosplit /
 #                                           Patch / default; Wan default / Patch / fp8_e4m3fn_fast (issue 12's table)
+#   bash benchmarks/gpu_runs.sh s37c        s37b after the split's cost was measured (K = 3072 no longer split); Wan only
+#                                           on an H200 (issue 12's table in one run there)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -217,7 +219,14 @@ s37b)  # the split tail (kernels/linear_fp8.tail_split) beside whole tiles, with
     e2e e2e_flux37b 300 --models flux --variants default ours-all ours-all+nosplit ours-linear comfy-fp8-fast \
         ours-all+nosplit ours-all default --steps 5
     e2e e2e_wan37b 280 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
+s37c)  # s37b with the measured split cost; Wan (unchanged by the split) only where the card is an H200
+    timeout 110 python3 benchmarks/linear_bench.py --no-sweep --out $R > $R/linear.txt 2>&1; tail -14 $R/linear.txt
+    e2e e2e_flux37c 300 --models flux --variants default ours-all ours-all+nosplit ours-linear comfy-fp8-fast \
+        ours-all+nosplit ours-all default --steps 5
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+        e2e e2e_wan37c 280 --models wan --variants default ours-all comfy-fp8-fast --steps 3
+    fi ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c"; exit 2 ;;
 esac

@@ -403,7 +403,7 @@ def run_tail(name, m, k, n, gen, log):
     fw = lf.quantize_weight(w)
     xq, xs = lf.quantize_activation(x)
     base = dict(lf.LINEAR_FP8_CONFIGS["sm90"])
-    whole = dict(base, SPLIT_TAIL=0)
+    whole = dict(base, SPLIT_TAIL=None)
     props = torch.cuda.get_device_properties(0)
     tiles = lf.cdiv(m, base["BLOCK_M"]) * lf.cdiv(n, base["BLOCK_N"])
     plan = lf.tail_split(tiles, props.multi_processor_count, lf.cdiv(k, base["BLOCK_K"]), base["SPLIT_TAIL"],

@@ -73,13 +73,16 @@ ALIGN_ELEMENTS = 16  # K and N multiple of 16: 16-byte TMA strides for e4m3, who
 # variant (TMA +1-15 %); GROUP_M 8/16/32 differ within the +-3 % run-to-run spread except
 # Flux's MLP up (16: +5-8 %) and down (8: +3 %), so 16. 1168-1317 TFLOP/s GEMM alone.
 # sm89 / sm120 (~100 KB of shared memory, mma.sync): 128x128x64 x 3 stages = 48 KB, untimed.
-# SPLIT_TAIL (sm90, interpreter): the last, partial wave of tiles is split along K (see
-# tail_split); its value is the cost of one partial tile's write and re-read, in K tiles of MMA
-# time (an estimate: 128 KB of fp32 through L2 at ~100 GB/s per SM against ~0.9 us per
-# 128x256x128 e4m3 K tile at 1200 TFLOP/s).
+# SPLIT_TAIL (sm90, interpreter): the last, partial wave of tiles may be split along K
+# (tail_split); the value is a split's fixed cost in K tiles of MMA time (~0.9 us each for
+# 128x256x128 e4m3 at 1200 TFLOP/s). sm90's 12 is measured: on an H100 (2026-12-06, Triton 3.6)
+# a split into 2 cost ~9 us more than half the K loop (the partials' stores and the counter's
+# fence, then the last slice's summing and epilogue, 32 rows at a time), so splits of Flux's
+# K = 3072 GEMMs (24 K tiles) measured 1-14 % slower and are not taken, those of K = 12288 /
+# 15360 (96 / 120 K tiles) 8-24 % faster.
 LINEAR_FP8_CONFIGS = {
     "sm90": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=3, TMA=True,
-                 SPLIT_TAIL=1.5),
+                 SPLIT_TAIL=12),
     "sm89": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=False),
     # AMD with OCP FP8 dots (gfx950, gfx12; gpu_rules.amd_fp8_refusal): sm89's tile, which fits
     # 64 KB of LDS (32 KB as Triton 3.9 compiles it for gfx1201); untimed, not run on AMD here.
@@ -87,7 +90,7 @@ LINEAR_FP8_CONFIGS = {
     # The interpreter runs on numpy: small tiles keep CPU tests fast and still walk several
     # tiles per program, partial tiles and several K steps.
     "interpreter": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1, TMA=False,
-                        SPLIT_TAIL=0.25),
+                        SPLIT_TAIL=0),
 }
 # Programs of the persistent grid under the interpreter (numpy has no SMs).
 INTERPRETER_PROGRAMS = 3
@@ -218,18 +221,19 @@ class TailSplit(NamedTuple):
     workspace: int
 
 
-def tail_split(tiles: int, programs: int, k_tiles: int, cost: float, block_m: int, block_n: int,
+def tail_split(tiles: int, programs: int, k_tiles: int, cost: float | None, block_m: int, block_n: int,
                forced: int | None = None) -> TailSplit:
     """The persistent GEMM's wave quantisation, undone where it pays. `tiles` output tiles on
     `programs` SMs take ceil(tiles / programs) tile times although the work is tiles / programs
     of them: Flux's 4608 x 3072 outputs have 432 tiles of 128x256, 3.27 waves on 132 SMs, run
     in 4 (the last wave leaves 96 SMs idle). Here the whole waves stay whole tiles and the rest
     (`tiles % programs`, or every tile of a GEMM with fewer tiles than SMs: Flux's 512 text
-    tokens) is cut along K into S slices, one program each, S <= programs // rest: the tail
-    then takes k_tiles / S K tiles plus the partials' traffic, `cost` K tiles for each slice
-    written and each read back (the last slice to finish sums all S, in a fixed order, and
-    runs the epilogue). S minimises k_tiles / S + cost * (S + 1); the split is taken where that
-    saves a tenth of the tail. `forced`: that S (benchmarks, tests), within the bounds."""
+    tokens) is cut along K into S slices, one program each, S <= programs // rest. The last
+    slice of a tile to finish sums the S partials, in a fixed order, and runs the epilogue: the
+    tail then takes about k_tiles / S + S + `cost` K tiles (each partial read back once, and
+    the split's fixed cost; None: never split). S minimises k_tiles / S + S, and the split is
+    taken where the estimate stays within 85 % of k_tiles. `forced`: that S (benchmarks,
+    tests), within the bounds."""
     whole = TailSplit(1, tiles, 0)
     rest = tiles % programs if tiles >= programs else tiles
     if rest == 0 or k_tiles < 2:
@@ -237,11 +241,11 @@ def tail_split(tiles: int, programs: int, k_tiles: int, cost: float, block_m: in
     most = min(programs // rest, k_tiles, TAIL_SPLIT_MAX)
     if forced is not None:
         s = min(int(forced), most)
-    elif not cost or most < 2:
+    elif cost is None or most < 2:
         return whole
     else:
-        s = min(range(2, most + 1), key=lambda c: k_tiles / c + cost * (c + 1))
-        if k_tiles / s + cost * (s + 1) > 0.9 * k_tiles:
+        s = min(range(2, most + 1), key=lambda c: k_tiles / c + c)
+        if k_tiles / s + s + cost > 0.85 * k_tiles:
             return whole
     if s < 2:
         return whole
@@ -672,9 +676,10 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
     sms = INTERPRETER_PROGRAMS if interpreter else sm_count(device.index or 0)
     split = act_out is not None
     tail = TailSplit(1, tiles, 0)
-    if not split and (cfg.get("TAIL_SPLIT_K") or (cfg.get("SPLIT_TAIL") and env_settings.split_tail_enabled())):
+    if not split and (cfg.get("TAIL_SPLIT_K") or (cfg.get("SPLIT_TAIL") is not None
+                                                   and env_settings.split_tail_enabled())):
         # The activated copy (SPLIT_ACT) has no split form: its tiles stay whole.
-        tail = tail_split(tiles, sms, cdiv(k, bk), cfg.get("SPLIT_TAIL", 0), bm, bn, cfg.get("TAIL_SPLIT_K"))
+        tail = tail_split(tiles, sms, cdiv(k, bk), cfg.get("SPLIT_TAIL"), bm, bn, cfg.get("TAIL_SPLIT_K"))
     programs = sms if tail.split > 1 else min(tiles, sms)
     consts = dict(HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
                   NUM_PROGRAMS=programs, ACT=epilogue_act(int(act), device, out_dtype), SPLIT_ACT=split)

@@ -239,18 +239,20 @@ def test_direct_call_keeps_no_call_tensor_alive(monkeypatch):
 
 
 # The split tail (tail_split): (tiles, programs, K tiles, cost) -> (split, tiles kept whole).
+# Flux 1024² on 132 SMs with sm90's 128x256x128 tiles and cost, as measured on an H100
+# (benchmarks/RESULTS.md, session 37): K = 12288 / 15360 split, K = 3072 not.
 TAIL_PLANS = {
-    # Flux 1024² on 132 SMs with sm90's 128x256x128 tiles and cost.
-    "flux_mlp_down_4608": ((432, 132, 96, 1.5), (3, 396)),
-    "flux_mlp_up_4608": ((1728, 132, 24, 1.5), (4, 1716)),
-    "flux_text_mlp_down": ((48, 132, 96, 1.5), (2, 0)),
-    "flux_text_qkv": ((144, 132, 24, 1.5), (4, 132)),
+    "flux_mlp_down_4608": ((432, 132, 96, 12), (3, 396)),
+    "flux_single_out_4608": ((432, 132, 120, 12), (3, 396)),
+    "flux_text_mlp_down": ((48, 132, 96, 12), (2, 0)),
+    "flux_proj_4608": ((432, 132, 24, 12), (1, 432)),
+    "flux_mlp_up_4608": ((1728, 132, 24, 12), (1, 1728)),
+    "flux_text_qkv": ((144, 132, 24, 12), (1, 144)),
     # Wan 2.1 14B's projections: 5120 tiles, the last wave 104 of 132 wide: no room for 2 slices.
-    "wan_proj": ((5120, 132, 40, 1.5), (1, 5120)),
-    "full_waves": ((264, 132, 96, 1.5), (1, 264)),
-    "one_k_tile": ((40, 132, 1, 1.5), (1, 40)),
-    "not_worth_it": ((133, 132, 2, 1.5), (1, 133)),  # 1 K tile saved, 4.5 K tiles of traffic
-    "off": ((432, 132, 96, 0), (1, 432)),
+    "wan_proj": ((5120, 132, 40, 12), (1, 5120)),
+    "full_waves": ((264, 132, 96, 12), (1, 264)),
+    "one_k_tile": ((40, 132, 1, 12), (1, 40)),
+    "off": ((432, 132, 96, None), (1, 432)),
 }
 
 
@@ -266,10 +268,10 @@ def test_tail_split_plans(case):
 
 
 def test_tail_split_forced_stays_in_bounds():
-    assert lf.tail_split(432, 132, 96, 0, 128, 256, forced=3)[:2] == (3, 396)
-    assert lf.tail_split(432, 132, 96, 0, 128, 256, forced=8).split == 3  # 132 // 36 programs
-    assert lf.tail_split(4, 3, 2, 0, 16, 32, forced=5).split == 2  # 2 K tiles
-    assert lf.tail_split(6, 3, 9, 0, 16, 32, forced=4).split == 1  # full waves
+    assert lf.tail_split(432, 132, 24, None, 128, 256, forced=3)[:2] == (3, 396)
+    assert lf.tail_split(432, 132, 96, None, 128, 256, forced=8).split == 3  # 132 // 36 programs
+    assert lf.tail_split(4, 3, 2, None, 16, 32, forced=5).split == 2  # 2 K tiles
+    assert lf.tail_split(6, 3, 9, None, 16, 32, forced=4).split == 1  # full waves
 
 
 # (M, K, N) on the interpreter's 3 programs and 16x32x32 tiles, each leaving a partial last wave:
@@ -302,7 +304,7 @@ def test_split_tail_matches_reference(monkeypatch, tma, split, shape):
     monkeypatch.setattr(lf, "tail_lock_region", lambda device: regions.append(take(device)) or regions[-1])
     base = dict(lf.LINEAR_FP8_CONFIGS["interpreter"], TMA=tma)
     for act, out_dtype in ((0, torch.float32), (lf.ACTIVATIONS["gelu_tanh"], torch.bfloat16)):
-        whole = lf.fp8_gemm(xq, xs, fw, b, out_dtype, config=dict(base, SPLIT_TAIL=0), act=act, act_from=16)
+        whole = lf.fp8_gemm(xq, xs, fw, b, out_dtype, config=dict(base, SPLIT_TAIL=None), act=act, act_from=16)
         assert not regions
         cfg = dict(base, TAIL_SPLIT_K=split)
         out = lf.fp8_gemm(xq, xs, fw, b, out_dtype, config=cfg, act=act, act_from=16)
