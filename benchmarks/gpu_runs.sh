@@ -51,6 +51,9 @@
 #                                           Patch / default; Wan default / Patch / fp8_e4m3fn_fast (issue 12's table)
 #   bash benchmarks/gpu_runs.sh s37c        s37b after the split's cost was measured (K = 3072 no longer split); Wan only
 #                                           on an H200 (issue 12's table in one run there)
+#   bash benchmarks/gpu_runs.sh s37h        only on an H200 (any other card: exits at once): issue 12's table in one run
+#                                           with the split tail (Linear tables; Flux default / Patch / Linear /
+#                                           fp8_e4m3fn_fast / Patch+nosplit; Wan default / Patch / fp8_e4m3fn_fast)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -226,7 +229,12 @@ s37c)  # s37b with the measured split cost; Wan (unchanged by the split) only wh
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
         e2e e2e_wan37c 280 --models wan --variants default ours-all comfy-fp8-fast --steps 3
     fi ;;
+s37h)  # issue 12 names the H200: spend nothing on another card
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: nothing run"; exit 0; fi
+    timeout 110 python3 benchmarks/linear_bench.py --no-sweep --out $R > $R/linear.txt 2>&1; tail -14 $R/linear.txt
+    e2e e2e_flux37h 200 --models flux --variants default ours-all ours-linear comfy-fp8-fast ours-all+nosplit --steps 5
+    e2e e2e_wan37h 280 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h"; exit 2 ;;
 esac
