@@ -704,7 +704,8 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
     args = _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks, act_from, act_out=act_out, tail=tail)
     if args is None:  # no counters for a split inside this capture: whole tiles
         tail = TailSplit(1, tiles, 0)
-        programs = consts["NUM_PROGRAMS"] = min(tiles, sms)
+        programs = min(tiles, sms)
+        consts["NUM_PROGRAMS"] = programs
         args = _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks, act_from, act_out=act_out, tail=tail)
     consts.update(SPLIT_K=tail.split, RED_ROWS=tail_rows(tail.split, bm))
     kernel = fn[(programs,)](*args, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
