@@ -54,6 +54,7 @@
 #   bash benchmarks/gpu_runs.sh s37h        only on an H200 (any other card: exits at once): issue 12's table in one run
 #                                           with the split tail (Linear tables; Flux default / Patch / Linear /
 #                                           fp8_e4m3fn_fast / Patch+nosplit; Wan default / Patch / fp8_e4m3fn_fast)
+#   bash benchmarks/gpu_runs.sh s37l        only on an H200: the Linear tables with the split tail (~80 s)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -234,7 +235,10 @@ s37h)  # issue 12 names the H200: spend nothing on another card
     timeout 110 python3 benchmarks/linear_bench.py --no-sweep --out $R > $R/linear.txt 2>&1; tail -14 $R/linear.txt
     e2e e2e_flux37h 200 --models flux --variants default ours-all ours-linear comfy-fp8-fast ours-all+nosplit --steps 5
     e2e e2e_wan37h 280 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
+s37l)  # the kernel half of issue 12's table on the H200, when too little device time is left for e2e
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: nothing run"; exit 0; fi
+    timeout 110 python3 benchmarks/linear_bench.py --no-sweep --out $R > $R/linear.txt 2>&1; tail -45 $R/linear.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l"; exit 2 ;;
 esac
