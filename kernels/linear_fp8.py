@@ -27,10 +27,11 @@ transposed view of each [BLOCK_N, BLOCK_K] tile.
 The GEMM is persistent (one program per SM walks tiles NUM_PROGRAMS apart) with grouped tile
 order (GROUP_M row tiles share one sweep of N tiles, so a weight tile is reused from L2 while
 it is hot). Where the tiles leave the last wave partial and K is long (tail_split), those last
-tiles are cut along K across the idle SMs and summed by the slice that finishes last. On sm_90 tiles come through TMA descriptors (zero-filled out of bounds, clipped
-stores); elsewhere through pointer loads with rows clamped into range (their results are
-dropped by the masked store), so the main loop carries no row masks. K and N must be multiples
-of 16 (TMA strides and MMA depth); M is anything.
+tiles are cut along K across the idle SMs and summed by the slice that finishes last. On
+sm_90 tiles come through TMA descriptors (zero-filled out of bounds, clipped stores);
+elsewhere through pointer loads with rows clamped into range (their results are dropped by the
+masked store), so the main loop carries no row masks. K and N must be multiples of 16 (TMA
+strides and MMA depth); M is anything.
 """
 from __future__ import annotations
 
@@ -273,7 +274,8 @@ def tail_lock_region(device: torch.device) -> torch.Tensor | None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         per = max(sm_count(index) if device.type == "cuda" else INTERPRETER_PROGRAMS, 1)
-        entry = _tail_locks[(device.type, index)] = [torch.zeros((TAIL_LOCK_REGIONS, per), dtype=torch.int32, device=device), 0]
+        entry = [torch.zeros((TAIL_LOCK_REGIONS, per), dtype=torch.int32, device=device), 0]
+        _tail_locks[(device.type, index)] = entry
     locks, region = entry
     entry[1] = (region + 1) % TAIL_LOCK_REGIONS
     return locks[region]
