@@ -66,15 +66,15 @@ SHAPES = {
 # 132 SMs, as its step runs them (4096 image + 512 text tokens; the single blocks 4608), and
 # one Wan GEMM (full waves: no split) as the control.
 TAIL_SHAPES = {
-    "flux_mlp_down": (4608, 12288, 3072),
+    "flux_mlp_down": SHAPES["flux_mlp_down"],
     "flux_single_out_4608": (4608, 15360, 3072),
-    "flux_proj": (4608, 3072, 3072),
-    "flux_mlp_up": (4608, 3072, 12288),
+    "flux_proj": SHAPES["flux_proj"],
+    "flux_mlp_up": SHAPES["flux_mlp_up"],
     "txt_qkv": (512, 3072, 9216),
     "txt_proj": (512, 3072, 3072),
     "txt_mlp_up": (512, 3072, 12288),
     "txt_mlp_down": (512, 12288, 3072),
-    "wan_proj": (32760, 5120, 5120),
+    "wan_proj": SHAPES["wan_proj"],
 }
 # The sweep: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA, FLATTEN, EPILOGUE_SUBTILE).
 # 128x128 and 64x256 tiles give twice the tiles of 128x256: fewer idle SMs in the last wave
@@ -168,12 +168,17 @@ def torch_quant_rowwise(x):
     return (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s
 
 
-def run_shape(name, m, k, n, gen, sweep, log, methods=()):
-    flops = 2.0 * m * n * k
+def operands(m, k, n, gen):
+    """Outlier-channel bf16 activations [m, k], a bf16 weight [n, k] with its FP8 form, a bias."""
     x = activations(m, k, gen)
     w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(torch.bfloat16)
     b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
-    fw = lf.quantize_weight(w)
+    return x, w, b, lf.quantize_weight(w)
+
+
+def run_shape(name, m, k, n, gen, sweep, log, methods=()):
+    flops = 2.0 * m * n * k
+    x, w, b, fw = operands(m, k, n, gen)
     xq, xs = lf.quantize_activation(x)
     res = dict(shape=name, M=m, K=k, N=n)
     y_bf16 = F.linear(x, w, b)
@@ -276,10 +281,7 @@ def run_gelu(name, m, k, n, first, gen, log):
     """Ours with the GELU in the epilogue vs ours + ComfyUI's GELU pass vs cuBLAS + the GELU
     pass (the GELU on the slice of columns, as the model code runs it: a strided pass where
     the columns are a slice of a fused projection)."""
-    x = activations(m, k, gen)
-    w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(torch.bfloat16)
-    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
-    fw = lf.quantize_weight(w)
+    x, w, b, fw = operands(m, k, n, gen)
     act = lf.ACTIVATIONS["gelu_tanh"]
 
     def fused():
@@ -397,10 +399,7 @@ def run_methods(name, x, w, b, y_bf16, methods, log):
 def run_tail(name, m, k, n, gen, log):
     """The split tail at one shape: whole tiles, the shipped split, 2-4 slices forced."""
     flops = 2.0 * m * n * k
-    x = activations(m, k, gen)
-    w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).to(torch.bfloat16)
-    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
-    fw = lf.quantize_weight(w)
+    x, w, b, fw = operands(m, k, n, gen)
     xq, xs = lf.quantize_activation(x)
     base = dict(lf.LINEAR_FP8_CONFIGS["sm90"])
     whole = dict(base, SPLIT_TAIL=None)
