@@ -6,9 +6,10 @@ Per shape (random bf16 inputs with outlier channels, never zeros):
 1. device time of each kernel of kernels.attention_fp8_quant.quantize_qkv (stats, finalize,
    quantise) from torch.profiler over --iters calls, with the bytes each one must move and
    the bandwidth that gives, beside a plain device copy of Q (read + write) as the ceiling;
-2. do_bench medians of quantize_qkv (with and without the outlier side operands), of the Gluon
-   FP8 kernel alone on its output, and of the whole call (quantisation + kernel), with
-   TFLOP/s and the share of the call the quantisation takes;
+2. do_bench medians of quantize_qkv (with and without the outlier side operands, and with
+   session 37's launch shapes: S37_TUNING), of the Gluon FP8 kernel alone on its output, and of
+   the whole call (quantisation + kernel; again with S37_TUNING), with TFLOP/s and the share of
+   the call the quantisation takes;
 3. SDPA cuDNN on the same bf16 inputs, for the ratio;
 4. --sweep: the kernels' device times for each launch shape in SWEEP (QUANT_TUNING overrides).
 Prints the table last; writes fp8_quant.json under --out (default: $OUT or .).
@@ -34,8 +35,11 @@ glu = importlib.import_module(pack.__name__ + ".kernels.attention_gluon_hopper")
 
 SHAPES = {"flux": (1, 24, 4608, 128), "wan": (1, 40, 32760, 128), "hunyuan": (1, 24, 33390, 128)}
 # --sweep: quantize_qkv launch shapes (QUANT_TUNING keys) timed per kernel.
-SWEEP = [dict(), dict(STATS_STAGES=1), dict(STATS_STAGES=2), dict(STATS_STAGES=4), dict(STATS_ROWS=1024),
-         dict(STATS_ROWS=256), dict(Q_SAMPLE=4), dict(QUANT_WARPS=4), dict(QUANT_WARPS=16)]
+# Session 37's launch shapes: every row of Q and K in the statistics, 512-row chunks, 8 warps
+# for 128 x 128 tiles (the last SWEEP entry; the "session 37's" columns of the table).
+S37_TUNING = dict(QK_STRIDE=1, STATS_ROWS=512, QUANT_WARPS=8)
+SWEEP = [dict(), dict(QK_STRIDE=1), dict(QK_STRIDE=16), dict(STATS_ROWS=512), dict(QUANT_WARPS=8),
+         dict(STATS_ROWS=512, QUANT_WARPS=8), S37_TUNING]
 
 
 def inputs(shape, gen):
@@ -70,7 +74,9 @@ def run_shape(name, shape, gen, iters, log, do_sweep=False):
 
     # Bytes each stage must move at least (the side operands' gathers come from cache lines the
     # same program reads anyway; not counted).
-    res["bytes"] = dict(stats=3 * n_el * elt, quant=3 * n_el * elt + 3 * n_el, copy_q=2 * n_el * elt)
+    stride = quant.qk_stride(l, l, quant.QUANT_TUNING)  # Q and K rows the statistics read: 1 in stride
+    res["qk_stride"] = stride
+    res["bytes"] = dict(stats=n_el * elt * (1 + 2 / stride), quant=3 * n_el * elt + 3 * n_el, copy_q=2 * n_el * elt)
     res["copy_q_ms"] = bench(lambda: q.clone())
     res["copy_q_TBps"] = res["bytes"]["copy_q"] / res["copy_q_ms"] / 1e9
     times = device_ms_per_kernel(lambda: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn), iters)
@@ -99,9 +105,19 @@ def run_shape(name, shape, gen, iters, log, do_sweep=False):
     qkv = glu.quantize_for_config(q, k, v, scale, cfg)
     res["kernel_ms"] = bench(lambda: glu.attention_gluon_fp8_quantized(qkv, q.shape, l, q.dtype, q.device, cfg))
     res["full_ms"] = bench(lambda: glu.attention_gluon_fp8(q, k, v))
+    # The same two timings with session 37's quantisation (every row of Q and K in the
+    # statistics, 512-row chunks, 8 warps for 128 x 128 tiles), in the same process.
+    saved = dict(quant.QUANT_TUNING)
+    try:
+        quant.QUANT_TUNING.update(S37_TUNING)
+        res["quantize_s37_ms"] = bench(lambda: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn))
+        res["full_s37_ms"] = bench(lambda: glu.attention_gluon_fp8(q, k, v))
+    finally:
+        quant.QUANT_TUNING.clear()
+        quant.QUANT_TUNING.update(saved)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
         res["cudnn_ms"] = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
-    for key in ("kernel", "full", "cudnn"):
+    for key in ("kernel", "full", "full_s37", "cudnn"):
         res[f"{key}_tflops"] = flops / res[f"{key}_ms"] / 1e9
     res["full_vs_cudnn"] = res["cudnn_ms"] / res["full_ms"]
     res["quant_share"] = 1.0 - res["kernel_ms"] / res["full_ms"]
@@ -129,15 +145,23 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = [run_shape(n, SHAPES[n], gen, args.iters, log, args.sweep) for n in args.shapes.split(",")]
     (out_dir / "fp8_quant.json").write_text(json.dumps(rows, indent=1, default=str))
-    log("\n| shape | copy Q TB/s | stats ms (TB/s) | finalize ms | quant ms (TB/s) | quantize_qkv ms (no side) "
-        "| kernel ms (TF/s) | full ms (TF/s) | cuDNN TF/s | full / cuDNN | quant share |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|")
+    if any(r["sweep"] for r in rows):
+        log("\n| shape | tuning | stats ms | finalize ms | quant ms | device ms |")
+        log("|---|---|---|---|---|---|")
+        for r in rows:
+            for w in r["sweep"]:
+                log(f"| {r['shape']} | {w['tuning']} | " + (w.get("error") or " | ".join(
+                    f"{w[k]:.3f}" for k in ("stats_ms", "finalize_ms", "quant_ms", "device_ms"))) + " |")
+    log("\n| shape | copy Q TB/s | QK stride | stats ms (TB/s) | finalize ms | quant ms (TB/s) | quantize_qkv ms (no side; "
+        "session 37's) | kernel ms (TF/s) | full ms (TF/s) | full, session 37's quantisation | cuDNN TF/s | full / cuDNN | quant share |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        log(f"| {r['shape']} | {r['copy_q_TBps']:.2f} | {r['stats_ms']:.3f} ({r.get('stats_TBps', 0):.2f}) "
+        log(f"| {r['shape']} | {r['copy_q_TBps']:.2f} | {r['qk_stride']} | {r['stats_ms']:.3f} ({r.get('stats_TBps', 0):.2f}) "
             f"| {r['finalize_ms']:.3f} | {r['quant_ms']:.3f} ({r.get('quant_TBps', 0):.2f}) "
-            f"| {r['quantize_ms']:.3f} ({r['quantize_no_side_ms']:.3f}) | {r['kernel_ms']:.3f} ({r['kernel_tflops']:.0f}) "
-            f"| {r['full_ms']:.3f} ({r['full_tflops']:.0f}) | {r['cudnn_tflops']:.0f} | {r['full_vs_cudnn']:.3f}x "
-            f"| {100 * r['quant_share']:.1f}% |")
+            f"| {r['quantize_ms']:.3f} ({r['quantize_no_side_ms']:.3f}; {r['quantize_s37_ms']:.3f}) "
+            f"| {r['kernel_ms']:.3f} ({r['kernel_tflops']:.0f}) | {r['full_ms']:.3f} ({r['full_tflops']:.0f}) "
+            f"| {r['full_s37_ms']:.3f} ({r['full_s37_tflops']:.0f}) | {r['cudnn_tflops']:.0f} "
+            f"| {r['full_vs_cudnn']:.3f}x | {100 * r['quant_share']:.1f}% |")
     return 0
 
 

@@ -55,6 +55,13 @@
 #                                           with the split tail (Linear tables; Flux default / Patch / Linear /
 #                                           fp8_e4m3fn_fast / Patch+nosplit; Wan default / Patch / fp8_e4m3fn_fast)
 #   bash benchmarks/gpu_runs.sh s37l        only on an H200: the Linear tables with the split tail (~80 s)
+#   bash benchmarks/gpu_runs.sh s38a        on an H200 s37h; on any other card the FP8 attention's quantisation
+#                                           kernels timed (fp8_quant_bench.py, Flux and Wan)
+#   bash benchmarks/gpu_runs.sh s38b        FP8 attention: lean against FlashAttention-3's loop order (sm90_pv_behind) and
+#                                           its ping-pong (sm90_pingpong), kernel table and accuracy; then on an H200 s37h
+#   bash benchmarks/gpu_runs.sh s38c        s38b at Flux and Wan after acc's rescale left the turn; then on an H200 s37h
+#   bash benchmarks/gpu_runs.sh s38d        the FP8 quantisation's statistics on 1 row in 8 of Q and K: fp8_quant_bench.py
+#                                           --sweep (Flux, Wan, HunyuanVideo), lean's accuracy table; then on an H200 s37h
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -238,7 +245,27 @@ s37h)  # issue 12 names the H200: spend nothing on another card
 s37l)  # the kernel half of issue 12's table on the H200, when too little device time is left for e2e
     if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "not an H200: nothing run"; exit 0; fi
     timeout 110 python3 benchmarks/linear_bench.py --no-sweep --out $R > $R/linear.txt 2>&1; tail -45 $R/linear.txt ;;
+s38a)  # on an H200: s37h; on any other card: where the FP8 attention's quantisation time goes (flux, wan)
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s37h; fi
+    timeout 200 python3 benchmarks/fp8_quant_bench.py --shapes flux,wan --out $R > $R/quant.txt 2>&1; tail -30 $R/quant.txt ;;
+s38b)  # FlashAttention-3's loop order and ping-pong beside lean (kernel table + small-shape accuracy); then on an H200 s37h
+    timeout 240 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean,sm90_pv_behind,sm90_pingpong --rep 100 --acc-heads 1 --small 1 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A60 "== accuracy" $R/gluon.txt | head -80
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s37h; fi ;;
+s38c)  # s38b's two loops again with acc's rescale moved out of the turn (kernel table, Flux and Wan); then on an H200 s37h
+    timeout 150 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan --bf16-shapes "" \
+      --configs sm90_lean,sm90_pv_behind,sm90_pingpong --rep 100 --acc-heads 1 --small 1 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A80 "== accuracy" $R/gluon.txt | grep -v "(1, 2, \|(2, 3, \|(1, 1, "
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s37h; fi ;;
+s38d)  # the statistics reading 1 row in 8 of Q and K: quantisation kernels swept and timed, accuracy of lean; then on an H200 s37h
+    timeout 200 python3 benchmarks/fp8_quant_bench.py --shapes flux,wan,hunyuan --sweep --out $R > $R/quant.txt 2>&1
+    echo "rc $?"; grep -A30 "^| shape | tuning" $R/quant.txt
+    timeout 120 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean --rep 100 --acc-heads 1 --small 1 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A40 "== accuracy" $R/gluon.txt
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s37h; fi ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d"; exit 2 ;;
 esac

@@ -5,7 +5,8 @@ Three launches, all memory-bound, each reading its inputs once:
    statistics of the sequence: max|q|, sum/min/max of k and of v. A mean over the whole
    sequence cannot be had inside the quantising pass without a grid-wide barrier, so this
    small first pass (plus 2.) is the price of K and V smoothing and of choosing the outlier
-   channels; it reads Q, K and V once more (Q only when outlier channels are on).
+   channels; it reads V once more and one row in QK_STRIDE of Q and K (Q only when outlier
+   channels are on; every row of short sequences: qk_stride()).
 2. `_fp8_finalize_kernel`, one program per (batch*head): reduces the partials to the K mean,
    the V mean, V's per-channel scale and the N_OUT "outlier" channels.
 3. `_fp8_quant_kernel`, one program per row block: Q and K to e4m3 with one scale per block
@@ -47,7 +48,7 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # Outlier channels given a second (residual) fp8 term. 2*N_OUT = 32 is the depth of one fp8
 # wgmma / mma k-step, so the side dot costs one instruction per score tile.
 N_OUTLIER = 16
-STATS_ROWS = 512  # rows per stats program: Flux 4608 tokens x 24 heads -> 216 programs
+STATS_ROWS = 512  # rows per stats program of the INT8 quantisation (FP8: QUANT_TUNING, twice as many)
 # Launch shape of the three kernels (quantize_qkv's `tuning` overrides any key, for sweeps):
 # STATS_ROWS rows per stats program, read STATS_SUB rows a step with STATS_WARPS warps and the
 # loop's loads software-pipelined STATS_STAGES deep; QUANT_WARPS for the quantising kernel
@@ -59,8 +60,25 @@ STATS_ROWS = 512  # rows per stats program: Flux 4608 tokens x 24 heads -> 216 p
 # steps and 8 warps were all slower; Q_SAMPLE=4 saved 0.06 ms at Wan unpipelined (left at 1).
 # Picking the outlier columns out of the register tile with tl.gather instead of loading them
 # again measured slower (Wan quantising kernel 0.95 ms against 0.58), so they are reloaded.
-QUANT_TUNING = dict(STATS_ROWS=STATS_ROWS, STATS_SUB=None, STATS_WARPS=4, STATS_STAGES=3, QUANT_WARPS=None,
-                    Q_SAMPLE=1)
+# QK_STRIDE: the statistics read every QK_STRIDE-th row of Q and K (V whole) where that still
+# leaves QK_MIN_ROWS rows of each. Exact enough because nothing needs them exactly: K's mean
+# only centres K (softmax(q.(k - m)) = softmax(q.k) for ANY vector m, and each K block gets its
+# own scale from its own rows in the quantising pass), and max|q|, K's extrema only rank the
+# outlier channels. V's mean and extrema stay exact: V's per-channel scale must bound every
+# value (a sampled maximum could clip). Q and K are 2/3 of the statistics' bytes.
+# Session 38 (H100, fp8_quant_bench.py --sweep with QK_STRIDE=8, device ms of the three kernels at
+# Flux / Wan / HunyuanVideo): 0.089 / 0.863 / 0.553 (QK_STRIDE=1: 0.108 / 1.021 / 0.651);
+# STATS_ROWS=1024 0.089 / 0.818 / 0.516 (half the chunks: the finalising pass 0.042 -> 0.023 ms
+# at Wan); QUANT_WARPS=4 for 128x128 tiles 0.089 / 0.807 / 0.521 (quantising pass 0.627 -> 0.569
+# at Wan); both are the defaults since.
+QUANT_TUNING = dict(STATS_ROWS=2 * STATS_ROWS, STATS_SUB=None, STATS_WARPS=4, STATS_STAGES=3, QUANT_WARPS=4,
+                    Q_SAMPLE=1, QK_STRIDE=8, QK_MIN_ROWS=256)
+
+
+def qk_stride(lq: int, lk: int, tune: dict) -> int:
+    """The row stride of Q's and K's statistics for these lengths (1: every row)."""
+    stride = int(tune["QK_STRIDE"])
+    return stride if stride > 1 and min(lq, lk) >= stride * int(tune["QK_MIN_ROWS"]) else 1
 
 
 class QuantizedQKV(NamedTuple):
@@ -114,8 +132,9 @@ if triton is not None:
 
     @triton.jit
     def _column_stats(X, stride_l, stride_d, chunk, L, cols, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-                      SUB: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
-        """(sum, min, max) per channel of rows [chunk*ROWS, (chunk+1)*ROWS) that are < L.
+                      SUB: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr, STRIDE: tl.constexpr = 1):
+        """(sum, min, max) per channel of rows [chunk*ROWS, (chunk+1)*ROWS) that are < L and,
+        with STRIDE > 1, multiples of STRIDE (ROWS is one: the chunks sample one row set).
 
         Accumulated elementwise in [SUB, BLOCK_D] registers and reduced over rows once at the
         end: a row reduction per step crosses warps through shared memory and a barrier, and
@@ -123,9 +142,12 @@ if triton is not None:
         a_sum = tl.zeros([SUB, BLOCK_D], dtype=tl.float32)
         a_min = tl.full([SUB, BLOCK_D], float("inf"), dtype=tl.float32)
         a_max = tl.full([SUB, BLOCK_D], float("-inf"), dtype=tl.float32)
-        for r in tl.range(0, ROWS, SUB, num_stages=STAGES):
-            rows = chunk * ROWS + r + tl.arange(0, SUB)
+        for r in tl.range(0, ROWS // STRIDE, SUB, num_stages=STAGES):
+            step = r + tl.arange(0, SUB)
+            rows = chunk * ROWS + step * STRIDE
             inside = (rows[:, None] < L) & (cols[None, :] < HEAD_DIM)
+            if STRIDE > 1:  # ROWS // STRIDE may be less than SUB
+                inside = inside & (step[:, None] < ROWS // STRIDE)
             x = tl.load(X + rows[:, None].to(tl.int64) * stride_l + cols[None, :] * stride_d,
                         mask=inside, other=0.0).to(tl.float32)
             a_sum += x
@@ -144,10 +166,11 @@ if triton is not None:
         stride_vb, stride_vh, stride_vl, stride_vd,
         H, LQ, LK, NCH, BH,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr,
-        NEED_Q: tl.constexpr, Q_SAMPLE: tl.constexpr, STAGES: tl.constexpr = 1,
+        NEED_Q: tl.constexpr, Q_SAMPLE: tl.constexpr, STAGES: tl.constexpr = 1, QK_STRIDE: tl.constexpr = 1,
     ):
         """PART[s, bh, chunk, :] for s = max|q|, sum k, min k, max k, sum v, min v, max v.
-        Program (chunk, bh, role): role Q (only when NEED_Q), K or V, one tensor each."""
+        Program (chunk, bh, role): role Q (only when NEED_Q), K or V, one tensor each. Q and K
+        read every QK_STRIDE-th row only (quantize_qkv says why that is exact enough)."""
         chunk = tl.program_id(0)
         bh = tl.program_id(1)
         role = tl.program_id(2) + (0 if NEED_Q else 1)
@@ -160,14 +183,14 @@ if triton is not None:
             if chunk % Q_SAMPLE == 0:
                 Xq = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
                 c_sum, c_min, c_max = _column_stats(Xq, stride_ql, stride_qd, chunk, LQ, cols, HEAD_DIM, ROWS,
-                                                    SUB, BLOCK_D, STAGES)
+                                                    SUB, BLOCK_D, STAGES, QK_STRIDE)
                 tl.store(P, tl.maximum(c_max, -c_min))  # max|q|; -inf on empty chunks, never picked
             else:
                 tl.store(P, tl.full([BLOCK_D], float("-inf"), dtype=tl.float32))  # not sampled
         elif role == 1:
             Xk = K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
             c_sum, c_min, c_max = _column_stats(Xk, stride_kl, stride_kd, chunk, LK, cols, HEAD_DIM, ROWS, SUB,
-                                                BLOCK_D, STAGES)
+                                                BLOCK_D, STAGES, QK_STRIDE)
             tl.store(P + plane, c_sum)
             tl.store(P + 2 * plane, c_min)
             tl.store(P + 3 * plane, c_max)
@@ -182,10 +205,11 @@ if triton is not None:
     @triton.jit
     def _fp8_finalize_kernel(
         PART, KMEAN, VMEAN, SV, IDX,
-        LK, NCH, BH,
+        LK, K_ROWS, NCH, BH,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, N_OUT: tl.constexpr, CH: tl.constexpr,
     ):
-        """Per (batch*head): K mean, V mean, V scale (max|v - mean| / 448), outlier channels."""
+        """Per (batch*head): K mean (over the K_ROWS rows the statistics read), V mean, V scale
+        (max|v - mean| / 448), outlier channels."""
         bh = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         plane = BH * NCH * BLOCK_D  # partials are small: int32 is enough
@@ -210,7 +234,7 @@ if triton is not None:
             v_min = tl.minimum(v_min, tl.min(tl.load(p + 5 * plane, mask=ok, other=float("inf")), 0))
             v_max = tl.maximum(v_max, tl.max(tl.load(p + 6 * plane, mask=ok, other=float("-inf")), 0))
         cin = cols < HEAD_DIM
-        k_mean = tl.where(cin, k_sum / LK, 0.0)
+        k_mean = tl.where(cin, k_sum / K_ROWS, 0.0)
         v_mean = tl.where(cin, v_sum / LK, 0.0)
         v_dev = tl.where(cin, tl.maximum(v_max - v_mean, v_mean - v_min), 0.0)
         tl.store(KMEAN + bh * BLOCK_D + cols, k_mean)
@@ -367,8 +391,10 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     tune = dict(QUANT_TUNING, **(tuning or {}))
     rows = int(tune["STATS_ROWS"])
     sub = int(tune["STATS_SUB"] or (32 if block_d >= 128 else 64))
-    if rows & (rows - 1) or sub & (sub - 1) or rows % sub:
-        raise ValueError(f"STATS_ROWS ({rows}) and STATS_SUB ({sub}) must be powers of two, ROWS a multiple of SUB")
+    stride = qk_stride(Lq if n else Lk, Lk, tune)
+    if rows & (rows - 1) or sub & (sub - 1) or rows % sub or stride & (stride - 1) or rows % stride:
+        raise ValueError(f"STATS_ROWS ({rows}), STATS_SUB ({sub}) and QK_STRIDE ({stride}) must be powers of two, "
+                         "ROWS a multiple of SUB and of QK_STRIDE")
     nch = max(cdiv(max(Lq if n else 0, Lk), rows), 1)
     nqb, nkb = cdiv(Lq, block_m), cdiv(Lk, block_n)
     lq_pad, lk_pad = nqb * block_m, nkb * block_n
@@ -387,8 +413,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     _fp8_stats_kernel[(nch, bh, 3 if n else 2)](
         q, k, v, part, *q.stride(), *k.stride(), *v.stride(), H, Lq, Lk, nch, bh,
         HEAD_DIM=D, BLOCK_D=block_d, ROWS=rows, SUB=sub, NEED_Q=n > 0, Q_SAMPLE=int(tune["Q_SAMPLE"]),
-        STAGES=int(tune["STATS_STAGES"]), num_warps=int(tune["STATS_WARPS"]))
-    _fp8_finalize_kernel[(bh,)](part, k_mean, v_mean, sv, idx, Lk, nch, bh,
+        STAGES=int(tune["STATS_STAGES"]), QK_STRIDE=stride, num_warps=int(tune["STATS_WARPS"]))
+    _fp8_finalize_kernel[(bh,)](part, k_mean, v_mean, sv, idx, Lk, cdiv(Lk, stride), nch, bh,
                                 HEAD_DIM=D, BLOCK_D=block_d, N_OUT=n, CH=16, num_warps=4)
     big = max(block_m, block_n) * block_d >= 16384  # 128x128 fp32 tiles want 8 warps
     _fp8_quant_kernel[(max(nqb, nkb), bh, 3)](
@@ -422,14 +448,15 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
 
     const = dict(unit, HEAD_DIM=head_dim, BLOCK_D=block_d, ROWS=QUANT_TUNING["STATS_ROWS"],
                  SUB=QUANT_TUNING["STATS_SUB"] or (32 if block_d >= 128 else 64), NEED_Q=n_outlier > 0,
-                 Q_SAMPLE=QUANT_TUNING["Q_SAMPLE"], STAGES=QUANT_TUNING["STATS_STAGES"])
+                 Q_SAMPLE=QUANT_TUNING["Q_SAMPLE"], STAGES=QUANT_TUNING["STATS_STAGES"],
+                 QK_STRIDE=QUANT_TUNING["QK_STRIDE"])
     names = ["Q", "K", "V", "PART", *strides, "H", "LQ", "LK", "NCH", "BH", *const]
     sig, attrs = _signature(names, dict(Q=ptr, K=ptr, V=ptr, PART="*fp32"), const,
                             ["Q", "K", "V", "PART", *aligned_strides])
     stats = ("_fp8_stats_kernel", _fp8_stats_kernel, sig, const, attrs, QUANT_TUNING["STATS_WARPS"])
 
     const = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, N_OUT=n_outlier, CH=16)
-    names = ["PART", "KMEAN", "VMEAN", "SV", "IDX", "LK", "NCH", "BH", *const]
+    names = ["PART", "KMEAN", "VMEAN", "SV", "IDX", "LK", "K_ROWS", "NCH", "BH", *const]
     sig, attrs = _signature(names, dict(PART="*fp32", KMEAN="*fp32", VMEAN="*fp32", SV="*fp32", IDX="*i32"),
                             const, ["PART", "KMEAN", "VMEAN", "SV", "IDX"])
     finalize = ("_fp8_finalize_kernel", _fp8_finalize_kernel, sig, const, attrs, 4)
@@ -449,4 +476,4 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
 
 
 __all__ = ["QuantizedQKV", "compile_specs", "quantize_qkv", "padded_head_dim", "v_key_order", "N_OUTLIER", "FP8_MAX", "LOG2E",
-           "QUANT_TUNING"]
+           "QUANT_TUNING", "qk_stride"]

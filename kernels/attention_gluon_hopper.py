@@ -84,7 +84,8 @@ LOG2_P_SCALE = 8.8073
 # Wan 2.1 14B step 1975 ms against 2049 (two fresh processes each, the same accuracy), so
 # "sm90_lean" is the default (default_config). "sm90_lean_rowsum" fails the Gaussian accuracy
 # bar (cosine 0.974 at Wan: e4m3 row sums are too coarse).
-_LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0, MERGED_EMPTY=False)
+_LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0, MERGED_EMPTY=False,
+                      PV_BEHIND=False, PINGPONG=False)
 # The lean loop (session 31's default): two key tiles a trip, P in wgmma's operand order, the
 # output rescaled early; the variants below are lean plus one option each.
 _LEAN = dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
@@ -120,6 +121,19 @@ GLUON_CONFIGS = {
     # producer refills both on it; K then lands one tile later than with its own signal,
     # which a third ring stage gives back (3 x 36 KB of shared memory). Opt-in until timed.
     "sm90_lean_merged": dict(_LEAN, STAGES=3, MERGED_EMPTY=True),
+    # FlashAttention-3's order (_mainloop_pv_behind): a trip issues Q.K^T of tile j and P.V of
+    # tile j-1 together, then runs tile j's softmax under that P.V. One score tile is live
+    # instead of lean's two, and no wgmma crosses the back edge. PINGPONG adds FA3's turn
+    # barriers: the two warpgroups issue their MMAs in alternation, so one's softmax can run
+    # under the other's MMAs instead of both softmaxes contending for the MUFU pipe at once
+    # and both MMA groups for the tensor cores after. Measured slower on an H100 (session 38,
+    # kernel alone, TFLOP/s): Wan 811 / 767 against lean's 864, Flux 705 / 729 against 752, the
+    # same accuracy. In the SASS (ptxas of Triton 3.6 and 3.9) the wait for P.V(j-1) lands
+    # before tile j's exponentials whatever the source order (a softmax that no longer runs
+    # under its own P.V), and under ping-pong one warp per scheduler runs a softmax alone,
+    # its latencies no longer hidden by the other warpgroup's. Opt-in for comparisons.
+    "sm90_pv_behind": dict(_LEAN, UNROLL=1, EARLY_RESCALE=False, PV_BEHIND=True),
+    "sm90_pingpong": dict(_LEAN, UNROLL=1, EARLY_RESCALE=False, PV_BEHIND=True, PINGPONG=True),
 }
 
 # POLY_EXP's exponential, 2^x for x <= LOG2_P_SCALE: x clamped at -126 (2^-126, the smallest
@@ -342,7 +356,7 @@ if gluon is not None:
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, c, cols, LK, acc, p_layout: gl.constexpr, o_layout: gl.constexpr,
                       BOUNDARY: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
-                      ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr):
+                      ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, CAST_P: gl.constexpr = True):
         # c = sq * sk > 0 de-quantises and holds sm_scale * log2(e): max(s) * c is the max of
         # the scaled scores and the de-quantising multiply folds into the exp2's argument.
         if BOUNDARY:
@@ -358,6 +372,13 @@ if gluon is not None:
         p = _exp2_p(s * c - gl.expand_dims(m_new - 8.8073, 1), POLY_EXP)  # in [0, 448]: LOG2_P_SCALE
         if not ROWSUM_MMA:  # else the row sum is P8 . ones on the tensor cores (_pv_update)
             l_i = l_i * alpha + gl.sum(p, 1)
+        if CAST_P:
+            p = _p_operand(p, p_layout, PERM_P)
+        return p, alpha, a, m_new, l_i, acc
+
+    @gluon.jit
+    def _p_operand(p, p_layout: gl.constexpr, PERM_P: gl.constexpr):
+        # P (fp32, in [0, 448]) as P.V's e4m3 register A operand.
         p8 = p.to(gl.float8e4nv)
         if PERM_P:
             # The accumulator layout gives a thread columns 8c + 2t + e of each 32-column
@@ -371,8 +392,7 @@ if gluon is not None:
             p8 = gl.reshape(p8, [rows, n // 32, 2, 2, 2, 2, 2])  # (k-step, c1, c0, t1, t0, e)
             p8 = gl.permute(p8, [0, 1, 2, 4, 5, 3, 6])  # P_RELABEL_ORDER: (k-step, c1, t1, t0, c0, e)
             p8 = gl.reshape(p8, [rows, n])
-        p8 = gl.convert_layout(p8, p_layout)
-        return p8, alpha, a, m_new, l_i, acc
+        return gl.convert_layout(p8, p_layout)
 
     @gluon.jit
     def _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, j, l_layout: gl.constexpr,
@@ -437,7 +457,8 @@ if gluon is not None:
         # Each warpgroup on its own: Q.K^T of tile j+1 is issued before tile j's softmax;
         # the two warpgroups interleave as the warp schedulers see fit (FlashAttention-3's
         # explicit ping-pong, turn barriers between the warpgroups, measured 15-20% slower
-        # here on the H200: 642 against 770 TFLOP/s at Wan). Also measured, none faster (H200,
+        # here on the H200: 642 against 770 TFLOP/s at Wan; again in session 38 as the
+        # PV_BEHIND / PINGPONG configs, _mainloop_pv_behind). Also measured, none faster (H200,
         # Triton 3.6, 2026-12-04, benchmarks/results/h200_2026-12-04_s26_gluon_variants*):
         # - P.V kept one tile behind so that tile j's softmax runs under both Q.K^T(j+1) and
         #   P.V(j-1). With two P tiles live it needs BLOCK_N = 64 (128 spills in 232 registers;
@@ -513,6 +534,99 @@ if gluon is not None:
         acc = _accumulate(acc, pv, a, TWO_LEVEL, EARLY_RESCALE)
         return acc, l_i
 
+    # PINGPONG's turn barriers: hardware named barriers 10 and 11 (Triton's partitions use 0-2
+    # in this kernel's PTX). Warpgroup w waits on 10 + w (bar.sync, 128 threads) until the other
+    # warpgroup's 128 threads have arrived on it (bar.arrive): 256 in all.
+    _TURN_WAIT_0 = gl.constexpr("bar.sync 10, 256;\n\tmov.u32 $0, 0;")
+    _TURN_WAIT_1 = gl.constexpr("bar.sync 11, 256;\n\tmov.u32 $0, 0;")
+    _TURN_PASS_0 = gl.constexpr("bar.arrive 11, 256;\n\tmov.u32 $0, 0;")  # warpgroup 0 hands the turn to 1
+    _TURN_PASS_1 = gl.constexpr("bar.arrive 10, 256;\n\tmov.u32 $0, 0;")
+
+    @gluon.jit
+    def _turn_barrier(ASM_0: gl.constexpr, ASM_1: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        # Not pure: the asm has no inputs, and only its side effect (the barrier) matters.
+        if PINGPONG:
+            if WG == 0:
+                gl.inline_asm_elementwise(ASM_0, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            else:
+                gl.inline_asm_elementwise(ASM_1, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _turn_wait(WG: gl.constexpr, PINGPONG: gl.constexpr):
+        _turn_barrier(_TURN_WAIT_0, _TURN_WAIT_1, WG, PINGPONG)
+
+    @gluon.jit
+    def _turn_pass(WG: gl.constexpr, PINGPONG: gl.constexpr):
+        _turn_barrier(_TURN_PASS_0, _TURN_PASS_1, WG, PINGPONG)
+
+    @gluon.jit
+    def _pv_behind_step(s_tile, acc, p, a, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty,
+                        v_full, v_empty, s_zero, o_zero, cols, q_scale, SK, LK, p_layout: gl.constexpr,
+                        o_layout: gl.constexpr, l_layout: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
+                        PERM_P: gl.constexpr, POLY_EXP: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+                        BOUNDARY: gl.constexpr):
+        # Tile j (> 0): its Q.K^T and tile j-1's P.V go to the tensor cores in one turn; tile
+        # j's softmax then runs while that P.V does. acc comes in rescaled for tile j-1's row
+        # maxima and leaves rescaled for tile j's (after the wait: its multiplies stay out of
+        # the turn, which the other warpgroup waits on).
+        _turn_wait(WG, PINGPONG)
+        s = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, j, STAGES, N_OUT)
+        pv, l_i = _pv_update(acc, _p_operand(p, p_layout, PERM_P), a, a, l_i, ones_smem, v_ring, v_full, o_zero,
+                             j - 1, l_layout, STAGES, False, True, False)
+        _turn_pass(WG, PINGPONG)
+        s = warpgroup_mma_wait(1, deps=(s,))  # Q.K^T done; P.V (issued last) may still run
+        mbarrier.arrive(k_empty.index(j % STAGES), count=1)
+        c = q_scale * gl.load(SK + j)
+        p, alpha, a, m_i, l_i, _ = _softmax_tile(s, m_i, l_i, c, cols, LK, s_tile, p_layout, o_layout, BOUNDARY,
+                                                 False, PERM_P, False, POLY_EXP, False)
+        # P among the wait's operands: the softmax must be done before the wait in program
+        # order (else it is scheduled after it, in the SASS, and no longer runs under P.V).
+        acc, p = warpgroup_mma_wait(0, deps=(pv, p))
+        mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)
+        return acc * a, p, a, m_i, l_i
+
+    @gluon.jit
+    def _mainloop_pv_behind(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty, s_zero,
+                            o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout: gl.constexpr,
+                            o_layout: gl.constexpr, l_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, N_OUT: gl.constexpr, PERM_P: gl.constexpr,
+                            POLY_EXP: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        # FlashAttention-3's consumer loop. With PINGPONG, warpgroup 1 hands warpgroup 0 the
+        # first turn, and warpgroup 0 takes one turn more at the end, so each barrier sees as
+        # many arrives as waits (NKB + 1 on 10, NKB on 11) and none is left pending at exit;
+        # strict alternation keeps one warpgroup at most one arrive ahead of the other's wait.
+        if WG == 1:
+            _turn_pass(WG, PINGPONG)
+        # Tile 0 (masked like a last tile: it is one when NKB == 1).
+        _turn_wait(WG, PINGPONG)
+        s = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, 0, STAGES, N_OUT)
+        _turn_pass(WG, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        c = q_scale * gl.load(SK)
+        p, alpha, a, m_i, l_i, _ = _softmax_tile(s, m_i, l_i, c, offs_n, LK, s_zero, p_layout, o_layout, True,
+                                                 False, PERM_P, False, POLY_EXP, False)
+        for j in range(1, NKB - 1):
+            acc, p, a, m_i, l_i = _pv_behind_step(s_zero, acc, p, a, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring,
+                                                   ones_smem, k_full, k_empty, v_full, v_empty, s_zero, o_zero,
+                                                   offs_n, q_scale, SK, LK, p_layout, o_layout, l_layout, STAGES,
+                                                   N_OUT, PERM_P, POLY_EXP, WG, PINGPONG, False)
+        if NKB > 1:  # the last tile, the only one beyond tile 0 that can hold padded keys
+            last = NKB - 1
+            acc, p, a, m_i, l_i = _pv_behind_step(s_zero, acc, p, a, m_i, l_i, last, q, qs, k_ring, ks_ring,
+                                                   v_ring, ones_smem, k_full, k_empty, v_full, v_empty, s_zero,
+                                                   o_zero, last * BLOCK_N + offs_n, q_scale, SK, LK, p_layout,
+                                                   o_layout, l_layout, STAGES, N_OUT, PERM_P, POLY_EXP, WG,
+                                                   PINGPONG, True)
+        if WG == 0:
+            _turn_wait(WG, PINGPONG)
+        # The last tile's P.V, outside the turns: nothing else is left to overlap it with.
+        pv, l_i = _pv_update(acc, _p_operand(p, p_layout, PERM_P), a, a, l_i, ones_smem, v_ring, v_full, o_zero,
+                             NKB - 1, l_layout, STAGES, False, True, False)
+        acc = warpgroup_mma_wait(0, deps=(pv,))
+        mbarrier.arrive(v_empty.index((NKB - 1) % STAGES), count=1)
+        return acc, l_i
+
     @gluon.jit
     def _consumer_partition(q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty, v_full,
                             v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB,
@@ -520,7 +634,7 @@ if gluon is not None:
                             BLOCK_D: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
                             TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr,
                             PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr,
-                            MERGED_EMPTY: gl.constexpr):
+                            MERGED_EMPTY: gl.constexpr, PV_BEHIND: gl.constexpr, PINGPONG: gl.constexpr):
         ROWS: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
@@ -548,10 +662,18 @@ if gluon is not None:
         offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
 
         mbarrier.wait(q_bar, 0)
-        acc, l_i = _mainloop(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty, s_zero,
-                             o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout, o_layout, l_layout,
-                             BLOCK_N, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP,
-                             MERGED_EMPTY)
+        if PV_BEHIND:
+            gl.static_assert(not (TWO_LEVEL or (ROWSUM_MMA or MERGED_EMPTY)), "PV_BEHIND is lean's loop reordered")
+            acc, l_i = _mainloop_pv_behind(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full,
+                                           v_empty, s_zero, o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB,
+                                           p_layout, o_layout, l_layout, BLOCK_N, STAGES, N_OUT, PERM_P, POLY_EXP,
+                                           WG, PINGPONG)
+        else:
+            gl.static_assert(not PINGPONG, "PINGPONG needs PV_BEHIND")
+            acc, l_i = _mainloop(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty,
+                                 s_zero, o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout, o_layout,
+                                 l_layout, BLOCK_N, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P,
+                                 ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
         if ROWSUM_MMA:
             l_i = gl.max(l_i, 1)
 
@@ -574,7 +696,8 @@ if gluon is not None:
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
         N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
-        ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr,
+        ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr, PV_BEHIND: gl.constexpr,
+        PINGPONG: gl.constexpr,
     ):
         start_m = gl.program_id(0)
         bh = gl.program_id(1)
@@ -608,11 +731,11 @@ if gluon is not None:
             (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty,
                                    v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0,
                                    LQ, LK, NQB, NKB, 0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
-                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)),
+                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_BEHIND, PINGPONG)),
             (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty,
                                    v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0,
                                    LQ, LK, NQB, NKB, 1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
-                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)),
+                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_BEHIND, PINGPONG)),
             (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
                                v_ring, ones_smem, q_bar, k_full, k_empty, v_full, v_empty, q_row0, bh * LK_PAD,
                                bh * BLOCK_D, NKB, BLOCK_N, STAGES, N_OUT, ROWSUM_MMA, MERGED_EMPTY)),
@@ -660,14 +783,15 @@ cache_registry.register("kernels.attention_gluon_hopper.ones_descriptor", _ones_
 # TRITON_ACCEL_GLUON_VARIANT -> the FP8 config default_config() returns.
 _VARIANT_CONFIGS = {"default": "sm90_lean", "lean": "sm90_lean", "classic": "sm90", "lean_rowsum": "sm90_lean_rowsum",
                     "lean_poly12": "sm90_lean_poly12", "lean_poly25": "sm90_lean_poly25",
-                    "lean_merged": "sm90_lean_merged"}
+                    "lean_merged": "sm90_lean_merged", "pv_behind": "sm90_pv_behind", "pingpong": "sm90_pingpong"}
 
 
 def default_config(device=None) -> dict:
     """GLUON_CONFIGS["sm90_lean"] (the measured loop: session 31 on an H100, 3-9 % faster kernels
     than "sm90" and 74 ms less per Wan 2.1 14B step), "sm90" under TRITON_ACCEL_GLUON_VARIANT=
-    classic, "sm90_lean_rowsum" / "sm90_lean_poly12" / "sm90_lean_poly25" / "sm90_lean_merged"
-    under lean_rowsum / lean_poly12 / lean_poly25 / lean_merged (benchmarks)."""
+    classic, "sm90_lean_rowsum" / "sm90_lean_poly12" / "sm90_lean_poly25" / "sm90_lean_merged" /
+    "sm90_pv_behind" / "sm90_pingpong" under lean_rowsum / lean_poly12 / lean_poly25 / lean_merged /
+    pv_behind / pingpong (benchmarks)."""
     del device  # one target: sm_90
     return dict(GLUON_CONFIGS[_VARIANT_CONFIGS[env_settings.gluon_variant()]])
 

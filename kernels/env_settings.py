@@ -28,7 +28,8 @@ FAST_LAUNCH = "TRITON_ACCEL_FAST_LAUNCH"
 CACHE_DIR = "TRITON_ACCEL_CACHE_DIR"
 GLUON = "TRITON_ACCEL_GLUON"
 GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
-GLUON_VARIANTS = ("default", "lean", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged")
+GLUON_VARIANTS = ("default", "lean", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "pv_behind",
+                  "pingpong")
 FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
 FUSED_ROPE = "TRITON_ACCEL_FUSED_ROPE"
 STEP_GRAPH = "TRITON_ACCEL_STEP_GRAPH"
@@ -68,8 +69,10 @@ SETTINGS = (
             "with FP8's row sums of P on the tensor cores (fails the accuracy bar). lean_poly12 / "
             "lean_poly25: lean with 1 / 2 of every 8 of FP8's exponentials of P computed by a polynomial "
             "on the FMA pipe instead of the MUFU (measured 4-11 % slower on an H100). lean_merged: lean with one "
-            "slot-release mbarrier per key tile for K and V (three ring stages). Any other value means "
-            "default."),
+            "slot-release mbarrier per key tile for K and V (three ring stages). pv_behind: FlashAttention-3's "
+            "loop order (a tile's Q.K^T and the previous tile's P.V issued together); pingpong: that with "
+            "FlashAttention-3's turn barriers between the two consumer warpgroups (both measured 6-11 % "
+            "slower than lean on an H100). Any other value means default."),
     Setting(FUSED_NORMS, "all",
             "Patch nodes that put our attention into a model also fuse its norms. all (the "
             "default): as qk, and the double and single blocks of ComfyUI's Flux layers (Flux, "

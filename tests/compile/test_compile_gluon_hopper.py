@@ -21,7 +21,10 @@ What the PTX must show:
   (1 or 2 of every 8 of P's exponentials on the FMA pipe): that many fewer MUFU.EX2 a tile than
   lean's, the polynomial's instructions in their place (no conversion instruction: FRND / F2I
   run at the MUFU's rate), and no spills; MERGED_EMPTY one mbarrier arrive and one warpgroup
-  bar.sync fewer a tile than lean (each arrive of a 4-warp partition comes with a bar.sync).
+  bar.sync fewer a tile than lean (each arrive of a 4-warp partition comes with a bar.sync);
+  PV_BEHIND one key tile a trip with both products in it and no more byte permutes than lean (an
+  e4m3 P carried across the back edge costs ~100 a tile), PINGPONG the turn barriers 10 and 11
+  (as many waits as arrives on each, none anywhere else) and two barrier instructions more a tile.
 Under TRITON_INTERPRET=1 (tests/conftest.py) kernels cannot be compiled, so one subprocess
 per Triton (the installed one and, where tests/versions/version_matrix.py installed it, 3.6,
 the H200 test machine's) with the variable unset compiles every case and reports JSON.
@@ -45,7 +48,8 @@ SMEM_LIMIT_SM90 = 232448
 # each loop option alone and all three (sm90_lean) at d128 and d64.
 JOBS = [("sm90", 128), ("sm90", 64), ("sm90_two_level", 128), ("sm90_unroll", 128), ("sm90_early", 128),
         ("sm90_permp", 128), ("sm90_lean", 128), ("sm90_lean", 64), ("sm90_lean_rowsum", 128),
-        ("sm90_lean_poly12", 128), ("sm90_lean_poly25", 128), ("sm90_lean_merged", 128)]
+        ("sm90_lean_poly12", 128), ("sm90_lean_poly25", 128), ("sm90_lean_merged", 128), ("sm90_pv_behind", 128),
+        ("sm90_pingpong", 128), ("sm90_pingpong", 64)]
 TRITONS = ["installed", "3.6"]
 
 WORKER = r"""
@@ -91,6 +95,7 @@ for cfg_name, d in jobs:
                 setmaxnreg=re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx),
                 reqntid=re.findall(r"\.reqntid\s+(\d+)", ptx),
                 tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global\.mbarrier", ptx)),
+                named_barriers=[list(b) for b in re.findall(r"\bbar\.(sync|arrive)\s+(\d+),\s*(\d+);", ptx)],
                 mbarrier_waits=len(re.findall(r"mbarrier\.try_wait", ptx)),
                 local="ld.local" in ptx or "st.local" in ptx))
         except Exception as e:
@@ -133,6 +138,10 @@ def _expected_wgmma(cfg_name, head_dim):
     cfg = GLUON_CONFIGS[cfg_name]
     qk = padded_head_dim(head_dim) // 32 + 1  # + the outlier side dot's one k-step
     pv = cfg["BLOCK_N"] // 32 * (2 if loop_options(cfg)["ROWSUM_MMA"] else 1)  # + P.ones per k-step
+    if loop_options(cfg)["PV_BEHIND"]:
+        # Tile 0's Q.K^T, the loop's step and the last tile's (a tile's Q.K^T with the previous
+        # tile's P.V), then the last tile's P.V.
+        return 2 * (3 * qk + 3 * pv)
     if loop_options(cfg)["UNROLL"] == 2:
         # Prologue Q.K^T, two steps a trip, then the odd-count branch (one step + the last
         # tile's P.V) and the even one (the last tile's P.V).
@@ -220,3 +229,53 @@ def test_main_loop_sass(report, job):
         # The row sum left the FADD pipe (70 a tile in the shipped loop: 64 adds + reductions).
         assert loop["per_tile"].get("FADD", 0) <= 8, loop["per_tile"]
         assert loop["total"] < report[("sm90_lean", job[1])]["loop"]["total"], loop["total"]
+
+
+@pytest.mark.parametrize("job", JOBS, ids=_ids(JOBS))
+def test_turn_barriers_only_in_pingpong(report, job):
+    """PINGPONG's named barriers: warpgroup 0 waits on 10 and arrives on 11, warpgroup 1 the
+    other way round, 256 threads each. The kernel balances them (warpgroup 1's first arrive,
+    warpgroup 0's last wait); in the PTX every wait site has an arrive site on the same barrier
+    (4 on 10: tile 0, the loop, the last tile and the end; 3 on 11). Triton's own partitions
+    use barriers 0-2 (bar.sync n, 128): no other config may touch 10 or 11."""
+    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
+
+    r = report[job]
+    assert r["ok"], r.get("error")
+    turns = [tuple(b) for b in r["named_barriers"] if b[1] in ("10", "11")]
+    if not loop_options(GLUON_CONFIGS[job[0]])["PINGPONG"]:
+        assert turns == [], turns
+        return
+    from collections import Counter
+
+    counts = Counter(turns)
+    assert set(counts) == {("sync", "10", "256"), ("arrive", "10", "256"), ("sync", "11", "256"),
+                           ("arrive", "11", "256")}, counts
+    assert counts[("sync", "10", "256")] == counts[("arrive", "10", "256")] == 4, counts
+    assert counts[("sync", "11", "256")] == counts[("arrive", "11", "256")] == 3, counts
+    assert all(int(b[1]) <= 2 for b in r["named_barriers"] if b[1] not in ("10", "11")), r["named_barriers"]
+
+
+@pytest.mark.parametrize("job", [j for j in JOBS if "pv_behind" in j[0] or "pingpong" in j[0]],
+                         ids=_ids([j for j in JOBS if "pv_behind" in j[0] or "pingpong" in j[0]]))
+def test_pv_behind_loop_sass(report, job):
+    """FlashAttention-3's order in the SASS: one key tile a trip holding its Q.K^T and the
+    previous tile's P.V (9 wgmmas at d128, 5 + 4), P carried across the back edge in fp32 (as
+    e4m3 bytes it cost ~100 byte permutes a tile: no more PRMT than lean's 16), at most 12 % more
+    instructions a tile than lean, ping-pong two barrier instructions more a tile than the same
+    loop without it."""
+    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
+
+    r = report[job]
+    loop = compile_report.main_loop_of(r)
+    pt = loop["per_tile"]
+    lean = report[("sm90_lean", job[1])]["loop"]
+    assert loop["tiles"] == 1, loop
+    block_d = max(32, 1 << (job[1] - 1).bit_length())
+    assert pt["QGMMA"] == block_d // 32 + 1 + GLUON_CONFIGS[job[0]]["BLOCK_N"] // 32, pt
+    assert pt.get("PRMT", 0) <= lean["per_tile"].get("PRMT", 0), (pt.get("PRMT"), lean["per_tile"].get("PRMT"))
+    # The loop-carried P's cast and the peeled tile's bookkeeping: 6-11 % over lean's loop.
+    assert loop["total"] <= 1.12 * lean["total"], (loop["total"], lean["total"])
+    if loop_options(GLUON_CONFIGS[job[0]])["PINGPONG"] and job[1] == 128:
+        plain = report[("sm90_pv_behind", 128)]["loop"]["per_tile"]
+        assert pt["BAR"] == plain["BAR"] + 2, (pt["BAR"], plain["BAR"])

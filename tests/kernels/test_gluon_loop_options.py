@@ -47,7 +47,7 @@ def test_p_relabel_moves_column_n_to_v_key_order():
 def test_the_kernel_relabels_with_p_relabel_order():
     if glu.gluon is None:
         pytest.skip(f"Gluon does not import with this Triton: {glu.gluon_api_refusal()}")
-    src = inspect.getsource(glu._softmax_tile.fn if hasattr(glu._softmax_tile, "fn") else glu._softmax_tile)
+    src = inspect.getsource(glu._p_operand.fn if hasattr(glu._p_operand, "fn") else glu._p_operand)
     assert f"gl.permute(p8, {list(glu.P_RELABEL_ORDER)})" in src
     assert "gl.reshape(p8, [rows, n // 32, 2, 2, 2, 2, 2])" in src
 
@@ -176,13 +176,13 @@ def test_launcher_refuses_operands_quantised_for_the_other_order():
 def test_every_config_names_its_loop_options():
     for name, cfg in glu.GLUON_CONFIGS.items():
         assert set(glu.loop_options(cfg)) == {"UNROLL", "EARLY_RESCALE", "PERM_P", "ROWSUM_MMA", "POLY_EXP",
-                                              "MERGED_EMPTY"}, name
+                                              "MERGED_EMPTY", "PV_BEHIND", "PINGPONG"}, name
         assert cfg["UNROLL"] in (1, 2) and glu.loop_options(cfg)["POLY_EXP"] in (0, 1, 2), name
     # A config dict written before the options existed reads as the measured loop.
     old = {k: v for k, v in glu.GLUON_CONFIGS["sm90"].items()
            if k not in ("UNROLL", "EARLY_RESCALE", "PERM_P", "ROWSUM_MMA")}
     assert glu.loop_options(old) == dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0,
-                                         MERGED_EMPTY=False)
+                                         MERGED_EMPTY=False, PV_BEHIND=False, PINGPONG=False)
     assert glu.GLUON_CONFIGS["sm90_lean"] == dict(glu.GLUON_CONFIGS["sm90"], UNROLL=2, EARLY_RESCALE=True,
                                                     PERM_P=True)
     assert glu.GLUON_CONFIGS["sm90_lean_rowsum"] == dict(glu.GLUON_CONFIGS["sm90_lean"], ROWSUM_MMA=True,
@@ -192,6 +192,17 @@ def test_every_config_names_its_loop_options():
     # One release signal a tile needs a third ring stage (K lands a tile later than with its own).
     assert glu.GLUON_CONFIGS["sm90_lean_merged"] == dict(glu.GLUON_CONFIGS["sm90_lean"], STAGES=3, MERGED_EMPTY=True)
     assert all(cfg["STAGES"] >= 3 for cfg in glu.GLUON_CONFIGS.values() if glu.loop_options(cfg)["MERGED_EMPTY"])
+    # FlashAttention-3's order is lean's loop reordered: one tile a trip (no score tile crosses the
+    # back edge to unroll away), the output rescaled where its P.V was waited for; ping-pong adds
+    # only the turn barriers. Both keep V's permuted keys (quantize_for_config follows PERM_P).
+    behind = dict(glu.GLUON_CONFIGS["sm90_lean"], UNROLL=1, EARLY_RESCALE=False, PV_BEHIND=True)
+    assert glu.GLUON_CONFIGS["sm90_pv_behind"] == behind
+    assert glu.GLUON_CONFIGS["sm90_pingpong"] == dict(behind, PINGPONG=True)
+    for cfg in glu.GLUON_CONFIGS.values():
+        opts = glu.loop_options(cfg)
+        assert opts["PV_BEHIND"] or not opts["PINGPONG"]  # the kernel's static_assert, checked here too
+        if opts["PV_BEHIND"]:
+            assert not (cfg["TWO_LEVEL"] or opts["ROWSUM_MMA"] or opts["MERGED_EMPTY"])
 
 
 @pytest.mark.parametrize("value, fp8, bf16", [
@@ -203,8 +214,11 @@ def test_every_config_names_its_loop_options():
     ("lean_poly12", "sm90_lean_poly12", {64: 1, 128: 1, 256: 1}),
     ("lean_poly25", "sm90_lean_poly25", {64: 1, 128: 1, 256: 1}),
     ("lean_merged", "sm90_lean_merged", {64: 1, 128: 1, 256: 1}),
+    ("pv_behind", "sm90_pv_behind", {64: 1, 128: 1, 256: 1}),
+    ("pingpong", "sm90_pingpong", {64: 1, 128: 1, 256: 1}),
     ("fast", "sm90_lean", {64: 1, 128: 1, 256: 1}),
-], ids=["unset", "lean", "lean-spaced", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "unknown"])
+], ids=["unset", "lean", "lean-spaced", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "pv_behind",
+        "pingpong", "unknown"])
 def test_variant_setting_picks_the_default_configs(monkeypatch, value, fp8, bf16):
     if value is None:
         monkeypatch.delenv(env_settings.GLUON_VARIANT, raising=False)
