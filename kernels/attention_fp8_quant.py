@@ -376,7 +376,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     """q [B, H, Lq, D], k/v [B, H, Lk, D] (fp16/bf16/fp32, any strides, same head count) ->
     QuantizedQKV for attention_fp8_full's kernel. `scale` is the softmax scale; block_m /
     block_n must be the attention kernel's tile sizes (one scale per tile). `tuning`: keys of
-    QUANT_TUNING to override (launch shapes only; the result is the same but for Q_SAMPLE).
+    QUANT_TUNING to override (launch shapes; the result is the same but for Q_SAMPLE, QK_STRIDE and
+    QK_MIN_ROWS, which choose the rows the statistics read).
     v_key_perm stores VT8's keys in v_key_order() (the Gluon kernel's PERM_P configs); needs
     block_n a multiple of 32."""
     B, H, Lq, D = q.shape

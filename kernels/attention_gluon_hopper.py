@@ -579,8 +579,8 @@ if gluon is not None:
         c = q_scale * gl.load(SK + j)
         p, alpha, a, m_i, l_i, _ = _softmax_tile(s, m_i, l_i, c, cols, LK, s_tile, p_layout, o_layout, BOUNDARY,
                                                  False, PERM_P, False, POLY_EXP, False)
-        # P among the wait's operands: the softmax must be done before the wait in program
-        # order (else it is scheduled after it, in the SASS, and no longer runs under P.V).
+        # P among the wait's operands keeps the softmax before the wait in the PTX; ptxas still
+        # moves the wait ahead of the exponentials in the SASS (GLUON_CONFIGS' comment).
         acc, p = warpgroup_mma_wait(0, deps=(pv, p))
         mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)
         return acc * a, p, a, m_i, l_i
