@@ -560,7 +560,7 @@ if gluon is not None:
         _turn_barrier(_TURN_PASS_0, _TURN_PASS_1, WG, PINGPONG)
 
     @gluon.jit
-    def _pv_behind_step(s_tile, acc, p, a, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty,
+    def _pv_behind_step(acc, p, a, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty,
                         v_full, v_empty, s_zero, o_zero, cols, q_scale, SK, LK, p_layout: gl.constexpr,
                         o_layout: gl.constexpr, l_layout: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
                         PERM_P: gl.constexpr, POLY_EXP: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
@@ -577,7 +577,9 @@ if gluon is not None:
         s = warpgroup_mma_wait(1, deps=(s,))  # Q.K^T done; P.V (issued last) may still run
         mbarrier.arrive(k_empty.index(j % STAGES), count=1)
         c = q_scale * gl.load(SK + j)
-        p, alpha, a, m_i, l_i, _ = _softmax_tile(s, m_i, l_i, c, cols, LK, s_tile, p_layout, o_layout, BOUNDARY,
+        # acc is not passed: it is in flight (P.V); without EARLY_RESCALE the softmax leaves its
+        # acc argument alone, so s_zero stands in.
+        p, alpha, a, m_i, l_i, _ = _softmax_tile(s, m_i, l_i, c, cols, LK, s_zero, p_layout, o_layout, BOUNDARY,
                                                  False, PERM_P, False, POLY_EXP, False)
         # P among the wait's operands keeps the softmax before the wait in the PTX; ptxas still
         # moves the wait ahead of the exponentials in the SASS (GLUON_CONFIGS' comment).
@@ -607,13 +609,13 @@ if gluon is not None:
         p, alpha, a, m_i, l_i, _ = _softmax_tile(s, m_i, l_i, c, offs_n, LK, s_zero, p_layout, o_layout, True,
                                                  False, PERM_P, False, POLY_EXP, False)
         for j in range(1, NKB - 1):
-            acc, p, a, m_i, l_i = _pv_behind_step(s_zero, acc, p, a, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring,
+            acc, p, a, m_i, l_i = _pv_behind_step(acc, p, a, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring,
                                                    ones_smem, k_full, k_empty, v_full, v_empty, s_zero, o_zero,
                                                    offs_n, q_scale, SK, LK, p_layout, o_layout, l_layout, STAGES,
                                                    N_OUT, PERM_P, POLY_EXP, WG, PINGPONG, False)
         if NKB > 1:  # the last tile, the only one beyond tile 0 that can hold padded keys
             last = NKB - 1
-            acc, p, a, m_i, l_i = _pv_behind_step(s_zero, acc, p, a, m_i, l_i, last, q, qs, k_ring, ks_ring,
+            acc, p, a, m_i, l_i = _pv_behind_step(acc, p, a, m_i, l_i, last, q, qs, k_ring, ks_ring,
                                                    v_ring, ones_smem, k_full, k_empty, v_full, v_empty, s_zero,
                                                    o_zero, last * BLOCK_N + offs_n, q_scale, SK, LK, p_layout,
                                                    o_layout, l_layout, STAGES, N_OUT, PERM_P, POLY_EXP, WG,
