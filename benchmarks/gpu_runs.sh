@@ -62,6 +62,15 @@
 #   bash benchmarks/gpu_runs.sh s38c        s38b at Flux and Wan after acc's rescale left the turn; then on an H200 s37h
 #   bash benchmarks/gpu_runs.sh s38d        the FP8 quantisation's statistics on 1 row in 8 of Q and K: fp8_quant_bench.py
 #                                           --sweep (Flux, Wan, HunyuanVideo), lean's accuracy table; then on an H200 s37h
+#   bash benchmarks/gpu_runs.sh s39a        on an H200 s37h first; then FP8 attention: lean as a persistent kernel
+#                                           (sm90_lean_persistent) beside lean, kernel table, accuracy, bit-equality
+#   bash benchmarks/gpu_runs.sh s39b        on an H200 s37h first; then the FP8 kernel over whole and partial waves
+#                                           (gluon_waves_bench.py: the last wave's cost against a CTA tile's fixed cost)
+#   bash benchmarks/gpu_runs.sh s39c        on an H200 s37h first; then fp8_quant_bench.py --sweep and lean's accuracy and
+#                                           call table (session 39 ran it with the finalisation fused into the statistics,
+#                                           since removed: the sweep now times the separate kernels)
+#   bash benchmarks/gpu_runs.sh s39d        on an H200 s37h; on any other card Wan 2.1 14B and Flux 12B end to end
+#                                           (ComfyUI default against Triton Accel Patch)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -265,7 +274,27 @@ s38d)  # the statistics reading 1 row in 8 of Q and K: quantisation kernels swep
       --configs sm90_lean --rep 100 --acc-heads 1 --small 1 --out $R > $R/gluon.txt 2>&1
     echo "rc $?"; grep -A40 "== accuracy" $R/gluon.txt
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s37h; fi ;;
+s39a)  # on an H200: s37h first; then the persistent lean kernel beside lean (kernel table, accuracy, bit-equality)
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s37h; fi
+    timeout 200 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean,sm90_lean_persistent --rep 100 --acc-heads 1 --small 1 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A60 "== accuracy" $R/gluon.txt | grep -v "(1, 2, \|(2, 3, \|(1, 1, " ;;
+s39b)  # on an H200: s37h first; then the FP8 kernel over whole and partial waves (gluon_waves_bench.py)
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s37h; fi
+    timeout 150 python3 benchmarks/gluon_waves_bench.py --configs sm90_lean,sm90_lean_persistent --out $R \
+      > $R/waves.txt 2>&1; echo "rc $?"; grep -A20 "== kernel alone" $R/waves.txt ;;
+s39c)  # on an H200: s37h first; then the quantisation kernels swept, the whole call and accuracy
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s37h; fi
+    timeout 200 python3 benchmarks/fp8_quant_bench.py --shapes flux,wan,hunyuan --sweep --out $R > $R/quant.txt 2>&1
+    echo "rc $?"; grep -A30 "^| shape | tuning" $R/quant.txt
+    timeout 120 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean --rep 100 --acc-heads 1 --small 1 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A40 "== accuracy" $R/gluon.txt ;;
+s39d)  # on an H200: s37h; on any other card: this release's end-to-end check, Wan 2.1 14B and Flux 12B (default / Patch)
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s37h; fi
+    e2e e2e_wan39 300 --models wan --variants default ours-all --steps 3
+    e2e e2e_flux39 200 --models flux --variants default ours-all --steps 5 ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d"; exit 2 ;;
 esac

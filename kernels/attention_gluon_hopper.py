@@ -37,6 +37,7 @@ import torch
 from . import cache_registry, env_settings
 from . import device as _device
 from .attention_fp8_quant import N_OUTLIER, padded_head_dim, quantize_qkv
+from .kernel_common import sm_count
 from .gpu_rules import GLUON_CAPABILITY, feature_refusal
 
 log = logging.getLogger("triton_accel.kernels.attention_gluon_hopper")  # not __name__: the clone's folder name
@@ -85,7 +86,7 @@ LOG2_P_SCALE = 8.8073
 # "sm90_lean" is the default (default_config). "sm90_lean_rowsum" fails the Gaussian accuracy
 # bar (cosine 0.974 at Wan: e4m3 row sums are too coarse).
 _LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0, MERGED_EMPTY=False,
-                      PV_BEHIND=False, PINGPONG=False)
+                      PV_BEHIND=False, PINGPONG=False, PERSISTENT=False)
 # The lean loop (session 31's default): two key tiles a trip, P in wgmma's operand order, the
 # output rescaled early; the variants below are lean plus one option each.
 _LEAN = dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
@@ -134,6 +135,16 @@ GLUON_CONFIGS = {
     # its latencies no longer hidden by the other warpgroup's. Opt-in for comparisons.
     "sm90_pv_behind": dict(_LEAN, UNROLL=1, EARLY_RESCALE=False, PV_BEHIND=True),
     "sm90_pingpong": dict(_LEAN, UNROLL=1, EARLY_RESCALE=False, PV_BEHIND=True, PINGPONG=True),
+    # lean as a persistent kernel (PERSISTENT): one CTA per SM walks the (query block, head)
+    # tiles in the launch grid's order, the ring's slots and phases running on across tiles,
+    # and Q double-buffered, so the producer loads the next tile's Q and first key tiles
+    # while the consumers finish a tile and write its output. Built to remove a CTA tile's
+    # fill and drain, which Flux's speed against Wan's seemed to show (36 key tiles a CTA tile
+    # against 256). Bit-equal to lean everywhere; measured no faster (H100, session 39, kernel
+    # alone, TFLOP/s): Flux 746-750 against 746-747, Wan 822-849 against 864-869, HunyuanVideo
+    # 801 against 857. Flux's deficit is its last wave instead (gluon_waves_bench.py: 6.55
+    # waves at 746, the same 36 key tiles a CTA tile in 9.00 whole waves at 800). Opt-in.
+    "sm90_lean_persistent": dict(_LEAN, PERSISTENT=True),
 }
 
 # POLY_EXP's exponential, 2^x for x <= LOG2_P_SCALE: x clamped at -126 (2^-126, the smallest
@@ -310,24 +321,46 @@ if gluon is not None:
             return gl.exp2(x)
 
     @gluon.jit
-    def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
-                        v_ring, ones_smem, q_bar, k_full, k_empty, v_full, v_empty, q_row0, k_row0, v_row0, n_kb,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                        MERGED_EMPTY: gl.constexpr):
-        # One warp. Order K0, V0, K1, V1...: a consumer asks for K[j+1] before V[j], which
-        # the ring allows whenever STAGES >= 2 (slot (j+1) % STAGES was freed at j+1-STAGES).
+    def _ring_slot(r, STAGES: gl.constexpr):
+        # Ring position r >= 0 (tiles count up from 0): a power-of-two ring's slot is a mask,
+        # not a signed remainder with its sign fix-ups (a persistent CTA's r is a runtime
+        # sum: its remainders cost ~20 uniform instructions a tile in the SASS).
+        if (STAGES & (STAGES - 1)) == 0:
+            return r & (STAGES - 1)
+        else:
+            return r % STAGES
+
+    @gluon.jit
+    def _ring_phase(r, STAGES: gl.constexpr):
+        # The parity of r's lap round the ring: the mbarrier phase its slot is on.
+        if STAGES == 2:
+            return (r >> 1) & 1
+        elif STAGES == 4:
+            return (r >> 2) & 1
+        else:
+            return (r // STAGES) & 1
+
+    @gluon.jit
+    def _load_tile(q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring, v_ring,
+                   ones_smem, q_bar, k_full, k_empty, v_full, v_empty, QB, q_row0, k_row0, v_row0, n_kb, R0,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+                   MERGED_EMPTY: gl.constexpr):
+        # One CTA tile's loads: its Q (both warpgroups' rows, into Q buffer QB / 2), then its
+        # key tiles K0, V0, K1, V1...: a consumer asks for K[j+1] before V[j], which the ring
+        # allows whenever STAGES >= 2 (slot (j+1) % STAGES was freed at j+1-STAGES). Key tile
+        # j is the ring's R0 + j-th (R0 > 0 only for a persistent CTA's later tiles).
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + qs_desc.block_type.nbytes * (N_OUT > 0)
         mbarrier.expect(q_bar, 2 * q_bytes + ones_desc.block_type.nbytes * ROWSUM_MMA)
         if ROWSUM_MMA:  # the ones tile of the row-sum product, once, with Q
             _tma_load(ones_desc, [0, 0], q_bar, ones_smem)
         for wg in gl.static_range(2):
-            _tma_load(q_desc, [q_row0 + wg * 64, 0], q_bar, q_smem.index(wg))
+            _tma_load(q_desc, [q_row0 + wg * 64, 0], q_bar, q_smem.index(QB + wg))
             if N_OUT > 0:
-                _tma_load(qs_desc, [q_row0 + wg * 64, 0], q_bar, qs_smem.index(wg))
+                _tma_load(qs_desc, [q_row0 + wg * 64, 0], q_bar, qs_smem.index(QB + wg))
         k_bytes: gl.constexpr = k_desc.block_type.nbytes + ks_desc.block_type.nbytes * (N_OUT > 0)
         for j in range(n_kb):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
+            slot = _ring_slot(R0 + j, STAGES)
+            phase = _ring_phase(R0 + j, STAGES)
             # Parity phase ^ 1 on a fresh barrier passes at once: the first lap needs no wait.
             # MERGED_EMPTY: V[j - STAGES]'s release is also K[j - STAGES]'s (read before it).
             if MERGED_EMPTY:
@@ -344,9 +377,38 @@ if gluon is not None:
             _tma_load(v_desc, [v_row0, j * BLOCK_N], v_full.index(slot), v_ring.index(slot))
 
     @gluon.jit
+    def _load_partition(q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
+                        v_ring, ones_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, LQ_PAD, LK_PAD, NQB,
+                        n_kb, N_TILES, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
+                        N_OUT: gl.constexpr, ROWSUM_MMA: gl.constexpr, MERGED_EMPTY: gl.constexpr,
+                        PERSISTENT: gl.constexpr):
+        # One warp. A CTA tile is (query block start_m, batch*head bh): Q rows bh * LQ_PAD +
+        # 128 start_m, K rows from bh * LK_PAD, VT rows from bh * BLOCK_D.
+        if PERSISTENT:
+            # Tile t = bh * NQB + start_m, the launch grid's order: the SMs work on neighbouring
+            # query blocks of a head at a time (its K and V shared in L2). Tile i of this CTA
+            # loads Q into buffer i % 2 once both warpgroups released that buffer (tile i - 2).
+            i = 0
+            for t in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
+                bh = t // NQB
+                buf = i % 2
+                mbarrier.wait(q_empty.index(buf), ((i // 2) & 1) ^ 1)
+                _load_tile(q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
+                           v_ring, ones_smem, q_full.index(buf), k_full, k_empty, v_full, v_empty, 2 * buf,
+                           bh * LQ_PAD + (t - bh * NQB) * 128, bh * LK_PAD, bh * BLOCK_D, n_kb, i * n_kb, BLOCK_N,
+                           STAGES, N_OUT, ROWSUM_MMA, MERGED_EMPTY)
+                i += 1
+        else:
+            bh = gl.program_id(1)
+            _load_tile(q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring, v_ring,
+                       ones_smem, q_full.index(0), k_full, k_empty, v_full, v_empty, 0,
+                       bh * LQ_PAD + gl.program_id(0) * 128, bh * LK_PAD, bh * BLOCK_D, n_kb, 0, BLOCK_N, STAGES,
+                       N_OUT, ROWSUM_MMA, MERGED_EMPTY)
+
+    @gluon.jit
     def _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, j, STAGES: gl.constexpr, N_OUT: gl.constexpr):
-        slot = j % STAGES
-        mbarrier.wait(k_full.index(slot), (j // STAGES) & 1)
+        slot = _ring_slot(j, STAGES)
+        mbarrier.wait(k_full.index(slot), _ring_phase(j, STAGES))
         s = warpgroup_mma(q, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if N_OUT > 0:
             # The outlier channels' residual products: one more k-step on the same accumulator.
@@ -398,8 +460,8 @@ if gluon is not None:
     def _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, j, l_layout: gl.constexpr,
                    STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr, EARLY_RESCALE: gl.constexpr,
                    ROWSUM_MMA: gl.constexpr):
-        slot = j % STAGES
-        mbarrier.wait(v_full.index(slot), (j // STAGES) & 1)
+        slot = _ring_slot(j, STAGES)
+        mbarrier.wait(v_full.index(slot), _ring_phase(j, STAGES))
         if TWO_LEVEL:
             pv = warpgroup_mma(p8, v_ring.index(slot).permute((1, 0)), o_zero, use_acc=False, is_async=True)
         elif EARLY_RESCALE:
@@ -425,32 +487,33 @@ if gluon is not None:
             return pv
 
     @gluon.jit
-    def _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty,
-                 s_zero, o_zero, offs_n, q_scale, SK, LK, p_layout: gl.constexpr, o_layout: gl.constexpr,
+    def _kv_step(s, acc, m_i, l_i, j, R0, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full,
+                 v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK, p_layout: gl.constexpr, o_layout: gl.constexpr,
                  l_layout: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
                  EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr,
                  POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr):
         # One key tile j that is not the last: tile j+1's scores go to the tensor cores
-        # first and run under tile j's softmax.
-        s_next = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, j + 1, STAGES, N_OUT)
+        # first and run under tile j's softmax. R0 + j is the tile's place in the ring's
+        # sequence (R0 = 0 unless PERSISTENT: the key tiles of the CTA's earlier tiles).
+        s_next = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, R0 + j + 1, STAGES, N_OUT)
         c = q_scale * gl.load(SK + j)
         p8, alpha, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, offs_n, LK, acc, p_layout, o_layout, False,
                                                     EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
-        pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, j, l_layout, STAGES,
+        pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, R0 + j, l_layout, STAGES,
                              TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
         if ROWSUM_MMA:
             s, pv, l_i = warpgroup_mma_wait(0, deps=(s_next, pv, l_i))
         else:
             s, pv = warpgroup_mma_wait(0, deps=(s_next, pv))
         if not MERGED_EMPTY:
-            mbarrier.arrive(k_empty.index((j + 1) % STAGES), count=1)
-        mbarrier.arrive(v_empty.index(j % STAGES), count=1)
+            mbarrier.arrive(k_empty.index(_ring_slot(R0 + j + 1, STAGES)), count=1)
+        mbarrier.arrive(v_empty.index(_ring_slot(R0 + j, STAGES)), count=1)
         acc = _accumulate(acc, pv, a, TWO_LEVEL, EARLY_RESCALE)
         return s, acc, m_i, l_i
 
     @gluon.jit
     def _mainloop(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty, s_zero, o_zero, acc,
-                  m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout: gl.constexpr, o_layout: gl.constexpr,
+                  m_i, l_i, offs_n, q_scale, SK, LK, NKB, R0, p_layout: gl.constexpr, o_layout: gl.constexpr,
                   l_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
                   TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
                   ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr):
@@ -473,18 +536,18 @@ if gluon is not None:
         # tile j's are still being read, and ptxas copies them back at the back edge (64 MOVs
         # per tile, after the wait, on the critical path: SASS of Triton 3.6 and 3.9). Two
         # tiles per trip let the two score tiles swap roles instead.
-        s = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, 0, STAGES, N_OUT)
+        s = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, R0, STAGES, N_OUT)
         s = warpgroup_mma_wait(0, deps=(s,))
         if not MERGED_EMPTY:
-            mbarrier.arrive(k_empty.index(0), count=1)
+            mbarrier.arrive(k_empty.index(_ring_slot(R0, STAGES)), count=1)
         if UNROLL == 2:
             for jj in range(0, (NKB - 1) // 2):
                 j = 2 * jj
-                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, R0, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
                                             k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
                                             p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE,
                                             PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
-                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j + 1, q, qs, k_ring, ks_ring, v_ring, ones_smem,
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j + 1, R0, q, qs, k_ring, ks_ring, v_ring, ones_smem,
                                             k_full, k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK,
                                             LK, p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL,
                                             EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
@@ -492,30 +555,30 @@ if gluon is not None:
             # their own branch: a branch that merged the score tile back (one step peeled
             # before or after the loop) made ptxas spill 1.5 KB and serialise the wgmmas.
             if (NKB - 1) % 2 == 1:
-                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, NKB - 2, q, qs, k_ring, ks_ring, v_ring, ones_smem,
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, NKB - 2, R0, q, qs, k_ring, ks_ring, v_ring, ones_smem,
                                             k_full, k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK,
                                             LK, p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL,
                                             EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
-                acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full,
+                acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, R0, offs_n, v_ring, ones_smem, v_full,
                                       v_empty, o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL,
                                       EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
             else:
-                acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full,
+                acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, R0, offs_n, v_ring, ones_smem, v_full,
                                       v_empty, o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL,
                                       EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
         else:
             for j in range(0, NKB - 1):
-                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
+                s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, R0, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
                                             k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
                                             p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE,
                                             PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
-            acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full, v_empty,
+            acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, R0, offs_n, v_ring, ones_smem, v_full, v_empty,
                                   o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE,
                                   PERM_P, ROWSUM_MMA, POLY_EXP)
         return acc, l_i
 
     @gluon.jit
-    def _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, offs_n, v_ring, ones_smem, v_full, v_empty, o_zero,
+    def _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, R0, offs_n, v_ring, ones_smem, v_full, v_empty, o_zero,
                    p_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
                    ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr):
@@ -524,13 +587,13 @@ if gluon is not None:
         c = q_scale * gl.load(SK + last)
         p8, alpha, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, last * BLOCK_N + offs_n, LK, acc, p_layout,
                                                     o_layout, True, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
-        pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, last, l_layout, STAGES,
-                             TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
+        pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, R0 + last, l_layout,
+                             STAGES, TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
         if ROWSUM_MMA:
             pv, l_i = warpgroup_mma_wait(0, deps=(pv, l_i))
         else:
             pv = warpgroup_mma_wait(0, deps=(pv,))
-        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+        mbarrier.arrive(v_empty.index(_ring_slot(R0 + last, STAGES)), count=1)
         acc = _accumulate(acc, pv, a, TWO_LEVEL, EARLY_RESCALE)
         return acc, l_i
 
@@ -630,13 +693,15 @@ if gluon is not None:
         return acc, l_i
 
     @gluon.jit
-    def _consumer_partition(q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty, v_full,
-                            v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0, LQ, LK, NQB,
-                            NKB, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                            BLOCK_D: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
-                            TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr,
-                            PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr,
-                            MERGED_EMPTY: gl.constexpr, PV_BEHIND: gl.constexpr, PINGPONG: gl.constexpr):
+    def _consumer_tile(q, qs, q_bar, q_phase, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty,
+                       SQ, SK, SV, VMEAN, O, stride_ob, stride_oh, stride_om, stride_od, H, bh, start_m, R0, LQ, LK,
+                       NQB, NKB, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_D: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
+                       UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
+                       ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr,
+                       PV_BEHIND: gl.constexpr, PINGPONG: gl.constexpr):
+        # This warpgroup's 64 query rows of CTA tile (start_m, bh), Q in `q` / `qs` once q_bar
+        # completes phase q_phase; its key tiles are the ring's R0-th onwards.
         ROWS: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 32])
@@ -648,8 +713,6 @@ if gluon is not None:
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-        q = q_smem.index(WG)
-        qs = qs_smem.index(WG)
         bh64 = bh.to(gl.int64)
         q_scale = gl.load(SQ + bh64 * NQB + start_m)
         SK = SK + bh64 * NKB
@@ -663,7 +726,7 @@ if gluon is not None:
             l_i = gl.zeros([ROWS], gl.float32, row_layout)
         offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
 
-        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bar, q_phase)
         if PV_BEHIND:
             gl.static_assert(not (TWO_LEVEL or (ROWSUM_MMA or MERGED_EMPTY)), "PV_BEHIND is lean's loop reordered")
             acc, l_i = _mainloop_pv_behind(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full,
@@ -673,13 +736,14 @@ if gluon is not None:
         else:
             gl.static_assert(not PINGPONG, "PINGPONG needs PV_BEHIND")
             acc, l_i = _mainloop(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty,
-                                 s_zero, o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, p_layout, o_layout,
+                                 s_zero, o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, R0, p_layout, o_layout,
                                  l_layout, BLOCK_N, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P,
                                  ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
         if ROWSUM_MMA:
             l_i = gl.max(l_i, 1)
 
         # Epilogue in fp32: V's per-channel scale, 1 / l (the 448 of P cancels) and V's mean.
+        o_row0 = (bh // H).to(gl.int64) * stride_ob + (bh % H).to(gl.int64) * stride_oh
         offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
         rows = start_m * 128 + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         sv = gl.load(SV + bh64 * BLOCK_D + offs_d)
@@ -691,34 +755,68 @@ if gluon is not None:
         gl.store(ptrs, out.to(O.dtype.element_ty), mask=mask)
 
     @gluon.jit
+    def _consumer_partition(q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_full, q_empty, k_full, k_empty,
+                            v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_ob, stride_oh, stride_om, stride_od, H, LQ,
+                            LK, NQB, NKB, N_TILES, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                            BLOCK_D: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
+                            TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr,
+                            PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr,
+                            MERGED_EMPTY: gl.constexpr, PV_BEHIND: gl.constexpr, PINGPONG: gl.constexpr,
+                            PERSISTENT: gl.constexpr):
+        if PERSISTENT:
+            # The producer's tile order (_load_partition); Q buffer i % 2 goes back to it once
+            # this tile's output is written (it refills the buffer for tile i + 2).
+            i = 0
+            for t in range(gl.program_id(0), N_TILES, gl.num_programs(0)):
+                bh = t // NQB
+                buf = i % 2
+                _consumer_tile(q_smem.index(2 * buf + WG), qs_smem.index(2 * buf + WG), q_full.index(buf),
+                               (i // 2) & 1, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty,
+                               SQ, SK, SV, VMEAN, O, stride_ob, stride_oh, stride_om, stride_od, H, bh,
+                               t - bh * NQB, i * NKB, LQ, LK, NQB, NKB, WG, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES,
+                               N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY,
+                               PV_BEHIND, PINGPONG)
+                mbarrier.arrive(q_empty.index(buf), count=1)
+                i += 1
+        else:
+            _consumer_tile(q_smem.index(WG), qs_smem.index(WG), q_full.index(0), 0, k_ring, ks_ring, v_ring,
+                           ones_smem, k_full, k_empty, v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_ob, stride_oh,
+                           stride_om, stride_od, H, gl.program_id(1), gl.program_id(0), 0, LQ, LK, NQB, NKB, WG,
+                           HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P,
+                           ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_BEHIND, PINGPONG)
+
+    @gluon.jit
     def _attn_fp8_gluon_fwd(
         q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, SQ, SK, SV, VMEAN, O,
         stride_ob, stride_oh, stride_om, stride_od,
-        H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
+        H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB, N_TILES,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
         N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
         ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr, PV_BEHIND: gl.constexpr,
-        PINGPONG: gl.constexpr,
+        PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
     ):
-        start_m = gl.program_id(0)
-        bh = gl.program_id(1)
-        off_b = bh // H
-        off_h = bh % H
+        # Grid (NQB, B*H), one CTA tile each, or with PERSISTENT (min(SMs, N_TILES),) CTAs
+        # walking N_TILES = NQB * B*H tiles.
+        gl.static_assert(not (PERSISTENT and (PV_BEHIND or ROWSUM_MMA)), "PERSISTENT is for lean's loop")
+        Q_BUFS: gl.constexpr = 2 if PERSISTENT else 1
         # Shared memory is allocated before the partitions fork: Q for both warpgroups
-        # (16 KB at d128), the K ring (K8 + side columns) and the VT ring.
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [2] + qs_desc.block_type.shape, qs_desc.layout)
+        # (16 KB at d128; twice when PERSISTENT), the K ring (K8 + side columns) and the VT ring.
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
+        qs_smem = gl.allocate_shared_memory(qs_desc.dtype, [2 * Q_BUFS] + qs_desc.block_type.shape, qs_desc.layout)
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         ks_ring = gl.allocate_shared_memory(ks_desc.dtype, [STAGES] + ks_desc.block_type.shape, ks_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         ones_smem = gl.allocate_shared_memory(ones_desc.dtype, ones_desc.block_type.shape, ones_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_full = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(Q_BUFS):
+            mbarrier.init(q_full.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both warpgroups done with the buffer
         for i in gl.static_range(STAGES):
             mbarrier.init(k_full.index(i), count=1)
             mbarrier.init(v_full.index(i), count=1)
@@ -727,20 +825,21 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=2)
         fence_async_shared()
 
-        q_row0 = bh * LQ_PAD + start_m * 128
-        o_row0 = off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
         gl.warp_specialize([
-            (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty,
-                                   v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0,
-                                   LQ, LK, NQB, NKB, 0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
-                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_BEHIND, PINGPONG)),
-            (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_bar, k_full, k_empty,
-                                   v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_om, stride_od, bh, start_m, o_row0,
-                                   LQ, LK, NQB, NKB, 1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL,
-                                   EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_BEHIND, PINGPONG)),
+            (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_full, q_empty, k_full,
+                                   k_empty, v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_ob, stride_oh, stride_om,
+                                   stride_od, H, LQ, LK, NQB, NKB, N_TILES, 0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES,
+                                   N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP,
+                                   MERGED_EMPTY, PV_BEHIND, PINGPONG, PERSISTENT)),
+            (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_full, q_empty, k_full,
+                                   k_empty, v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_ob, stride_oh, stride_om,
+                                   stride_od, H, LQ, LK, NQB, NKB, N_TILES, 1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES,
+                                   N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP,
+                                   MERGED_EMPTY, PV_BEHIND, PINGPONG, PERSISTENT)),
             (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
-                               v_ring, ones_smem, q_bar, k_full, k_empty, v_full, v_empty, q_row0, bh * LK_PAD,
-                               bh * BLOCK_D, NKB, BLOCK_N, STAGES, N_OUT, ROWSUM_MMA, MERGED_EMPTY)),
+                               v_ring, ones_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, LQ_PAD, LK_PAD,
+                               NQB, NKB, N_TILES, BLOCK_N, BLOCK_D, STAGES, N_OUT, ROWSUM_MMA, MERGED_EMPTY,
+                               PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -785,15 +884,16 @@ cache_registry.register("kernels.attention_gluon_hopper.ones_descriptor", _ones_
 # TRITON_ACCEL_GLUON_VARIANT -> the FP8 config default_config() returns.
 _VARIANT_CONFIGS = {"default": "sm90_lean", "lean": "sm90_lean", "classic": "sm90", "lean_rowsum": "sm90_lean_rowsum",
                     "lean_poly12": "sm90_lean_poly12", "lean_poly25": "sm90_lean_poly25",
-                    "lean_merged": "sm90_lean_merged", "pv_behind": "sm90_pv_behind", "pingpong": "sm90_pingpong"}
+                    "lean_merged": "sm90_lean_merged", "pv_behind": "sm90_pv_behind", "pingpong": "sm90_pingpong",
+                    "persistent": "sm90_lean_persistent"}
 
 
 def default_config(device=None) -> dict:
     """GLUON_CONFIGS["sm90_lean"] (the measured loop: session 31 on an H100, 3-9 % faster kernels
     than "sm90" and 74 ms less per Wan 2.1 14B step), "sm90" under TRITON_ACCEL_GLUON_VARIANT=
     classic, "sm90_lean_rowsum" / "sm90_lean_poly12" / "sm90_lean_poly25" / "sm90_lean_merged" /
-    "sm90_pv_behind" / "sm90_pingpong" under lean_rowsum / lean_poly12 / lean_poly25 / lean_merged /
-    pv_behind / pingpong (benchmarks)."""
+    "sm90_pv_behind" / "sm90_pingpong" / "sm90_lean_persistent" under lean_rowsum / lean_poly12 /
+    lean_poly25 / lean_merged / pv_behind / pingpong / persistent (benchmarks)."""
     del device  # one target: sm_90
     return dict(GLUON_CONFIGS[_VARIANT_CONFIGS[env_settings.gluon_variant()]])
 
@@ -851,11 +951,12 @@ def attention_gluon_fp8_quantized(qkv, q_shape, lk: int, dtype, device, config, 
                 v=qkv.vt8.view(bh * block_d, lk_pad))
     desc = {n: TensorDescriptor.from_tensor(t, shapes[n], _fp8_layout(shapes[n])) for n, t in flat.items()}
     desc["ones"] = _ones_descriptor(torch.device(device), config["BLOCK_N"])
-    grid = (qkv.sq.shape[1], bh)
+    n_tiles = qkv.sq.shape[1] * bh
+    grid = (min(n_tiles, sm_count(torch.device(device).index or 0)),) if loop["PERSISTENT"] else (qkv.sq.shape[1], bh)
     _attn_fp8_gluon_fwd[grid](
         desc["q"], desc["qs"], desc["k"], desc["ks"], desc["v"], desc["ones"], qkv.sq, qkv.sk, qkv.sv, qkv.vmean,
         out,
-        *out.stride(), H, Lq, lk, lq_pad, lk_pad, qkv.sq.shape[1], qkv.sk.shape[1],
+        *out.stride(), H, Lq, lk, lq_pad, lk_pad, qkv.sq.shape[1], qkv.sk.shape[1], n_tiles,
         HEAD_DIM=D, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"], N_OUT=qkv.n_outlier,
         TWO_LEVEL=config["TWO_LEVEL"], CONSUMER_REGS=config["CONSUMER_REGS"],
         PRODUCER_REGS=config["PRODUCER_REGS"], **loop, num_warps=4)
@@ -872,7 +973,7 @@ def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OU
     shapes = _block_shapes(config["BLOCK_N"], block_d, side)
     descs = {f"{n}_desc": f"tensordesc<fp8e4nv[{', '.join(map(str, s))}],{_fp8_layout(s)!r}>" for n, s in shapes.items()}
     names = ["q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "ones_desc", "SQ", "SK", "SV", "VMEAN", "O",
-             "stride_ob", "stride_oh", "stride_om", "stride_od", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB"]
+             "stride_ob", "stride_oh", "stride_om", "stride_od", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", "N_TILES"]
     types = dict(descs, O=f"*{dtype}", **{n: "*fp32" for n in ("SQ", "SK", "SV", "VMEAN")})
     sig = {n: types.get(n, "i32") for n in names}
     const = dict(stride_od=1, HEAD_DIM=head_dim, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"],

@@ -29,7 +29,7 @@ CACHE_DIR = "TRITON_ACCEL_CACHE_DIR"
 GLUON = "TRITON_ACCEL_GLUON"
 GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
 GLUON_VARIANTS = ("default", "lean", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "pv_behind",
-                  "pingpong")
+                  "pingpong", "persistent")
 FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
 FUSED_ROPE = "TRITON_ACCEL_FUSED_ROPE"
 STEP_GRAPH = "TRITON_ACCEL_STEP_GRAPH"
@@ -72,7 +72,9 @@ SETTINGS = (
             "slot-release mbarrier per key tile for K and V (three ring stages). pv_behind: FlashAttention-3's "
             "loop order (a tile's Q.K^T and the previous tile's P.V issued together); pingpong: that with "
             "FlashAttention-3's turn barriers between the two consumer warpgroups (both measured 6-11 % "
-            "slower than lean on an H100). Any other value means default."),
+            "slower than lean on an H100). persistent: lean as a persistent kernel (one CTA per SM walks the "
+            "query-block tiles; the next tile's loads overlap a tile's end; measured no faster at Flux and "
+            "2-7 % slower at Wan and HunyuanVideo on an H100). Any other value means default."),
     Setting(FUSED_NORMS, "all",
             "Patch nodes that put our attention into a model also fuse its norms. all (the "
             "default): as qk, and the double and single blocks of ComfyUI's Flux layers (Flux, "

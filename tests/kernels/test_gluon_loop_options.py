@@ -176,13 +176,13 @@ def test_launcher_refuses_operands_quantised_for_the_other_order():
 def test_every_config_names_its_loop_options():
     for name, cfg in glu.GLUON_CONFIGS.items():
         assert set(glu.loop_options(cfg)) == {"UNROLL", "EARLY_RESCALE", "PERM_P", "ROWSUM_MMA", "POLY_EXP",
-                                              "MERGED_EMPTY", "PV_BEHIND", "PINGPONG"}, name
+                                              "MERGED_EMPTY", "PV_BEHIND", "PINGPONG", "PERSISTENT"}, name
         assert cfg["UNROLL"] in (1, 2) and glu.loop_options(cfg)["POLY_EXP"] in (0, 1, 2), name
     # A config dict written before the options existed reads as the measured loop.
     old = {k: v for k, v in glu.GLUON_CONFIGS["sm90"].items()
            if k not in ("UNROLL", "EARLY_RESCALE", "PERM_P", "ROWSUM_MMA")}
     assert glu.loop_options(old) == dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0,
-                                         MERGED_EMPTY=False, PV_BEHIND=False, PINGPONG=False)
+                                         MERGED_EMPTY=False, PV_BEHIND=False, PINGPONG=False, PERSISTENT=False)
     assert glu.GLUON_CONFIGS["sm90_lean"] == dict(glu.GLUON_CONFIGS["sm90"], UNROLL=2, EARLY_RESCALE=True,
                                                     PERM_P=True)
     assert glu.GLUON_CONFIGS["sm90_lean_rowsum"] == dict(glu.GLUON_CONFIGS["sm90_lean"], ROWSUM_MMA=True,
@@ -198,9 +198,12 @@ def test_every_config_names_its_loop_options():
     behind = dict(glu.GLUON_CONFIGS["sm90_lean"], UNROLL=1, EARLY_RESCALE=False, PV_BEHIND=True)
     assert glu.GLUON_CONFIGS["sm90_pv_behind"] == behind
     assert glu.GLUON_CONFIGS["sm90_pingpong"] == dict(behind, PINGPONG=True)
+    # The persistent kernel is lean's loop in a tile loop: nothing else differs.
+    assert glu.GLUON_CONFIGS["sm90_lean_persistent"] == dict(glu.GLUON_CONFIGS["sm90_lean"], PERSISTENT=True)
     for cfg in glu.GLUON_CONFIGS.values():
         opts = glu.loop_options(cfg)
         assert opts["PV_BEHIND"] or not opts["PINGPONG"]  # the kernel's static_assert, checked here too
+        assert not (opts["PERSISTENT"] and (opts["PV_BEHIND"] or opts["ROWSUM_MMA"]))  # likewise
         if opts["PV_BEHIND"]:
             assert not (cfg["TWO_LEVEL"] or opts["ROWSUM_MMA"] or opts["MERGED_EMPTY"])
 
@@ -216,9 +219,10 @@ def test_every_config_names_its_loop_options():
     ("lean_merged", "sm90_lean_merged", {64: 1, 128: 1, 256: 1}),
     ("pv_behind", "sm90_pv_behind", {64: 1, 128: 1, 256: 1}),
     ("pingpong", "sm90_pingpong", {64: 1, 128: 1, 256: 1}),
+    ("persistent", "sm90_lean_persistent", {64: 1, 128: 1, 256: 1}),
     ("fast", "sm90_lean", {64: 1, 128: 1, 256: 1}),
 ], ids=["unset", "lean", "lean-spaced", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "pv_behind",
-        "pingpong", "unknown"])
+        "pingpong", "persistent", "unknown"])
 def test_variant_setting_picks_the_default_configs(monkeypatch, value, fp8, bf16):
     if value is None:
         monkeypatch.delenv(env_settings.GLUON_VARIANT, raising=False)
