@@ -71,6 +71,10 @@
 #                                           since removed: the sweep now times the separate kernels)
 #   bash benchmarks/gpu_runs.sh s39d        on an H200 s37h; on any other card Wan 2.1 14B and Flux 12B end to end
 #                                           (ComfyUI default against Triton Accel Patch)
+#   bash benchmarks/gpu_runs.sh s39e        on an H200 s37h first; then Nsight Compute's counters of the FP8 kernel at
+#                                           Flux, Wan and Flux-in-whole-waves sizes (benchmarks/fp8_attention_ncu.py)
+#   bash benchmarks/gpu_runs.sh s39f        Nsight Compute's warp states of lean against lean_merged (Flux, Wan)
+#   bash benchmarks/gpu_runs.sh s39g        lean against lean_merged with do_bench (kernel alone, call, graph), lean again last
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -294,7 +298,31 @@ s39d)  # on an H200: s37h; on any other card: this release's end-to-end check, W
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s37h; fi
     e2e e2e_wan39 300 --models wan --variants default ours-all --steps 3
     e2e e2e_flux39 200 --models flux --variants default ours-all --steps 5 ;;
+s39e)  # on an H200: s37h first; then Nsight Compute's counters of the FP8 kernel (lean) at Flux and Wan sizes
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s37h; fi
+    for shape in flux wan flux_whole_waves; do
+      timeout 150 ncu --clock-control none -k regex:_attn_fp8_gluon_fwd --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+        --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --print-details all \
+        python3 benchmarks/fp8_attention_ncu.py --shape $shape > $R/ncu_$shape.txt 2>&1
+      echo "== $shape rc $?"; grep -v "^==PROF==" $R/ncu_$shape.txt | grep -iv "warning\|^    ---" | tail -n +1 | head -150
+    done
+    timeout 100 ncu --clock-control none -k regex:_attn_fp8_gluon_fwd --launch-skip 3 --launch-count 1 \
+      --metrics sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg.per_second \
+      python3 benchmarks/fp8_attention_ncu.py --shape flux > $R/ncu_pipes.txt 2>&1; echo "== pipes rc $?"; grep -v "^==PROF==" $R/ncu_pipes.txt | tail -20 ;;
+s39f)  # Nsight Compute's warp states of lean against lean_merged (one mbarrier arrive, one bar.sync a tile fewer)
+    for cfg in sm90_lean sm90_lean_merged; do for shape in flux wan; do
+      timeout 120 ncu --clock-control none -k regex:_attn_fp8_gluon_fwd --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
+        python3 benchmarks/fp8_attention_ncu.py --shape $shape --config $cfg > $R/ncu_${cfg}_$shape.txt 2>&1
+      echo "== $cfg $shape rc $?"; grep -E "Duration|Elapsed Cycles|Issue Slots Busy|Warp Cycles Per Issued|Stall (Barrier|Wait|Long|GMMA|Not Sel|Short|Dispatch|MIO|Math)" \
+        $R/ncu_${cfg}_$shape.txt | sed 's/  */ /g'
+    done; done ;;
+s39g)  # lean against lean_merged with do_bench, lean timed again last (sm90_lean@n16: the same config) for the drift
+    timeout 240 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean,sm90_lean_merged,sm90_lean@n16 --rep 200 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A40 "== TFLOP" $R/gluon.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g"; exit 2 ;;
 esac
