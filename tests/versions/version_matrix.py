@@ -258,10 +258,21 @@ def main(argv=None) -> int:
     ap.add_argument("versions", nargs="*", help=f"Triton minors (default: all of {', '.join(RELEASES)})")
     ap.add_argument("--only", choices=("compile", "interp"))
     ap.add_argument("--json", help="write every report to this file")
+    ap.add_argument("--install-only", action="store_true",
+                    help="install (or find cached) each release and say so; nothing is compiled or run. "
+                         "tests/run.sh does this before pytest, so the compile tests that build under "
+                         "other releases (tests/compile) find them in a fresh clone too")
     args = ap.parse_args(argv)
     unknown = [v for v in args.versions if v not in RELEASES]
     if unknown:
         ap.error(f"unknown Triton minor(s) {unknown}; known: {list(RELEASES)}")
+    if args.install_only:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        for minor in args.versions or RELEASES:
+            inst = install(minor)
+            state = "cached" if inst.cached else f"installed in {inst.seconds} s" if inst.ok else f"NOT installed: {inst.error}"
+            print(f"triton {inst.version}: {state}")
+        return 0  # a release that did not install is the version tests' to report (skip or fail)
     jobs = (args.only,) if args.only else ("compile", "interp")
     t = time.time()
     results = run_matrix(args.versions or None, jobs)
