@@ -75,6 +75,13 @@
 #                                           Flux, Wan and Flux-in-whole-waves sizes (benchmarks/fp8_attention_ncu.py)
 #   bash benchmarks/gpu_runs.sh s39f        Nsight Compute's warp states of lean against lean_merged (Flux, Wan)
 #   bash benchmarks/gpu_runs.sh s39g        lean against lean_merged with do_bench (kernel alone, call, graph), lean again last
+#   bash benchmarks/gpu_runs.sh s41         on whichever card came (named in the first line): issue 12's table in one
+#                                           run (s37h's load)
+#   bash benchmarks/gpu_runs.sh s41a        FP8 attention with V's mean rounding error taken out: the quantisation
+#                                           kernels with and without it (fp8_quant_bench.py --sweep), lean's accuracy
+#                                           and call table
+#   bash benchmarks/gpu_runs.sh s41c        s41a (accuracy at the benchmark shapes only), then s41, in one call
+#   bash benchmarks/gpu_runs.sh s41d        s41a at the benchmark shapes only (the correction summed in fp32 per block)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -322,7 +329,30 @@ s39g)  # lean against lean_merged with do_bench, lean timed again last (sm90_lea
     timeout 240 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
       --configs sm90_lean,sm90_lean_merged,sm90_lean@n16 --rep 200 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
     echo "rc $?"; grep -A40 "== TFLOP" $R/gluon.txt ;;
+s41)  # s37h's load on any card (the card is the first line of the output)
+    timeout 110 python3 benchmarks/linear_bench.py --no-sweep --out $R > $R/linear.txt 2>&1; tail -14 $R/linear.txt
+    e2e e2e_flux41 200 --models flux --variants default ours-all ours-linear comfy-fp8-fast --steps 5
+    e2e e2e_wan41 280 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
+s41a)  # V's mean rounding error out of vmean: quantisation kernels with / without, lean's accuracy and call table
+    timeout 200 python3 benchmarks/fp8_quant_bench.py --shapes flux,wan,hunyuan --sweep --out $R > $R/quant.txt 2>&1
+    echo "rc $?"; grep -A30 "^| shape | tuning" $R/quant.txt
+    timeout 160 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean --rep 100 --acc-heads 1 --small 1 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A40 "== accuracy" $R/gluon.txt ;;
+s41c)  # s41a without the small shapes, then issue 12's table (s41): both in one call when machines are scarce
+    timeout 130 python3 benchmarks/fp8_quant_bench.py --shapes flux,wan,hunyuan --sweep --out $R > $R/quant.txt 2>&1
+    echo "rc $?"; grep -A30 "^| shape | tuning" $R/quant.txt
+    timeout 120 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean --rep 100 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A40 "== accuracy" $R/gluon.txt
+    exec bash "$0" s41 ;;
+s41d)  # the V-mean correction summed in fp32 per block: quantisation kernels with / without, lean's accuracy
+    timeout 100 python3 benchmarks/fp8_quant_bench.py --shapes flux,wan,hunyuan --sweep --out $R > $R/quant.txt 2>&1
+    echo "rc $?"; grep -A12 "^| shape | tuning" $R/quant.txt
+    timeout 100 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean --rep 100 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A40 "== accuracy" $R/gluon.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d"; exit 2 ;;
 esac

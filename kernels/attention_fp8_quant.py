@@ -71,8 +71,10 @@ STATS_ROWS = 512  # rows per stats program of the INT8 quantisation (FP8: QUANT_
 # STATS_ROWS=1024 0.089 / 0.818 / 0.516 (half the chunks: the finalising pass 0.042 -> 0.023 ms
 # at Wan); QUANT_WARPS=4 for 128x128 tiles 0.089 / 0.807 / 0.521 (quantising pass 0.627 -> 0.569
 # at Wan); both are the defaults since.
+# V_MEAN_FIX: take V's mean rounding error out of vmean (_v_mean_fix; 0 gives V's exact mean,
+# for comparisons: benchmarks/fp8_quant_bench.py --sweep times both).
 QUANT_TUNING = dict(STATS_ROWS=2 * STATS_ROWS, STATS_SUB=None, STATS_WARPS=4, STATS_STAGES=3, QUANT_WARPS=4,
-                    Q_SAMPLE=1, QK_STRIDE=8, QK_MIN_ROWS=256)
+                    Q_SAMPLE=1, QK_STRIDE=8, QK_MIN_ROWS=256, V_MEAN_FIX=1)
 
 
 def qk_stride(lq: int, lk: int, tune: dict) -> int:
@@ -93,7 +95,7 @@ class QuantizedQKV(NamedTuple):
     ks: torch.Tensor  # [B*H, LK_PAD, 2*N] e4m3 side operand [k_hi, k_lo] on sk
     vt8: torch.Tensor  # [B*H, BLOCK_D, LK_PAD] e4m3 of (v - mean_v) / sv, transposed (keys permuted: v_key_perm)
     sv: torch.Tensor  # [B*H, BLOCK_D] fp32 per-channel scales of V
-    vmean: torch.Tensor  # [B*H, BLOCK_D] fp32
+    vmean: torch.Tensor  # [B*H, BLOCK_D] fp32: V's mean less VT8's mean rounding error (_v_mean_fix)
     n_outlier: int
     block_m: int
     block_n: int
@@ -204,14 +206,17 @@ if triton is not None:
 
     @triton.jit
     def _fp8_finalize_kernel(
-        PART, KMEAN, VMEAN, SV, IDX,
+        PART, KMEAN, VMEAN, SV, IDX, VFIX, VCNT,
         LK, K_ROWS, NCH, BH,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, N_OUT: tl.constexpr, CH: tl.constexpr,
     ):
         """Per (batch*head): K mean (over the K_ROWS rows the statistics read), V mean, V scale
-        (max|v - mean| / 448), outlier channels."""
+        (max|v - mean| / 448), outlier channels; zeroes the head's V rounding sums and block
+        counter (_v_mean_fix), so no state outlives a launch."""
         bh = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
+        tl.store(VFIX + bh * BLOCK_D + cols, tl.zeros([BLOCK_D], dtype=tl.int64))
+        tl.store(VCNT + bh, 0)
         plane = BH * NCH * BLOCK_D  # partials are small: int32 is enough
         P = PART + bh.to(tl.int64) * NCH * BLOCK_D
         q_amax = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -281,16 +286,48 @@ if triton is not None:
         return hi, lo
 
     @triton.jit
+    def _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, inv_lk, unit,
+                    BLOCK_D: tl.constexpr):
+        """Called by each of a head's NKB V blocks after rounding its tile y (stored units,
+        padding rows zero) to y8; the block that arrives last writes VMEAN_FIX = VMEAN minus
+        the mean rounding error per channel, in input units (`unit` per stored unit).
+
+        Why: V arrives in bf16, whose grid sits in a fixed relation to e4m3's for a channel's
+        scale and mean, so the rounding errors of a channel do not average out over the keys:
+        they leave a bias of ~1e-4 of V's spread. Attention passes any per-channel offset of V
+        straight to the output (P's rows sum to one), while the output of a flat softmax over
+        L keys shrinks like 1/sqrt(L): in torch emulation (bf16 Gaussian inputs) V's rounding
+        was 0.028 rel. L2 of the output at 4608 keys and 0.040 at 33390, 0.021 at both once the
+        bias is taken out. Session 41's first version cut every error to fixed point before
+        summing (an F2I per element, on the same quarter-rate pipe as the exponentials): the
+        quantising pass took 31-53 % longer on an H100. Here a block sums its errors in fp32 (a
+        fixed order for a given kernel: a repeat gives the same bits) and only the 128 column
+        sums go to fixed point (2^18 per stored unit), summed across blocks with integer
+        atomics: whatever order the blocks run in, the total is the same bits (step graphs
+        compare a replay with the eager call bit for bit)."""
+        err = tl.sum(y8.to(tl.float32) - y, 0)
+        tl.atomic_add(VFIX + bh * BLOCK_D + cols, (err * 262144.0).to(tl.int64), sem="relaxed")
+        # Every thread's atomic before the counter's release; the last block's acquire then
+        # sees all NKB blocks' sums (read back with atomics: they live in L2, not in L1).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(VCNT + bh, 1, sem="acq_rel")
+        if arrived == NKB - 1:
+            total = tl.atomic_add(VFIX + bh * BLOCK_D + cols, tl.zeros([BLOCK_D], dtype=tl.int64), sem="relaxed")
+            bias = total.to(tl.float32) * (inv_lk / 262144.0) * unit
+            tl.store(VMEAN_FIX + bh * BLOCK_D + cols, tl.load(VMEAN + bh * BLOCK_D + cols) - bias)
+
+    @triton.jit
     def _fp8_quant_kernel(
         Q, K, V, KMEAN, VMEAN, SV, IDX,
-        Q8, SQ, QS, K8, SK, KS, VT8,
+        Q8, SQ, QS, K8, SK, KS, VT8, VFIX, VCNT, VMEAN_FIX,
         stride_qb, stride_qh, stride_ql, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_vb, stride_vh, stride_vl, stride_vd,
-        q_scale_mul,
+        q_scale_mul, inv_lk,
         H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         N_OUT: tl.constexpr, EXACT_CAST: tl.constexpr, V_KEY_PERM: tl.constexpr = False,
+        V_MEAN_FIX: tl.constexpr = True,
     ):
         """Program (i, bh, role) quantises block i of Q (role 0), K (role 1) or V (role 2):
         three independent tiles per launch rather than three in a row per program, so more
@@ -340,7 +377,6 @@ if triton is not None:
             rows = i * BLOCK_N + tl.arange(0, BLOCK_N)
             Xv = V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
             v_mean = tl.load(VMEAN + bh * BLOCK_D + cols)
-            inv_sv = 1.0 / tl.load(SV + bh * BLOCK_D + cols)
             src = rows
             if V_KEY_PERM:
                 # Slot p of VT8 holds key v_key_order^-1(p) (inside p's 32-key group, so inside
@@ -349,11 +385,14 @@ if triton is not None:
                 # affine in the key, and the store falls apart into single bytes (session 30 on
                 # the H100: Wan's quantisation took 16 % of the attention time, 3 % without).
                 src = (rows & -32) | (rows & 16) | ((rows >> 1) & 1) << 3 | ((rows >> 2) & 3) << 1 | (rows & 1)
+            sv = tl.load(SV + bh * BLOCK_D + cols)
             x = _quant_rows(Xv, stride_vl, stride_vd, src, cols, LK, HEAD_DIM, v_mean[None, :], 1.0)
-            y = tl.minimum(tl.maximum(x * inv_sv[None, :], -448.0), 448.0)
+            y = tl.minimum(tl.maximum(x * (1.0 / sv)[None, :], -448.0), 448.0)
+            y8 = _to_e4m3(y, EXACT_CAST)
             # Stored [D, L]: keys contiguous, the K-major layout P.V's fp8 MMA needs.
-            tl.store(VT8 + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :],
-                     tl.trans(_to_e4m3(y, EXACT_CAST)))
+            tl.store(VT8 + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :], tl.trans(y8))
+            if V_MEAN_FIX:
+                _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, inv_lk, sv, BLOCK_D)
 
 
 def _carve(buffer: torch.Tensor, shapes):
@@ -377,7 +416,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     QuantizedQKV for attention_fp8_full's kernel. `scale` is the softmax scale; block_m /
     block_n must be the attention kernel's tile sizes (one scale per tile). `tuning`: keys of
     QUANT_TUNING to override (launch shapes; the result is the same but for Q_SAMPLE, QK_STRIDE and
-    QK_MIN_ROWS, which choose the rows the statistics read).
+    QK_MIN_ROWS, which choose the rows the statistics read, and V_MEAN_FIX).
     v_key_perm stores VT8's keys in v_key_order() (the Gluon kernel's PERM_P configs); needs
     block_n a multiple of 32."""
     B, H, Lq, D = q.shape
@@ -402,29 +441,36 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     w = max(2 * n, 16)  # side operand width; 16 bytes when unused, keeping the pieces aligned
     dev = q.device
     # The block scales go last: only they may end up off 16-byte alignment (read as scalars).
-    part, k_mean, v_mean, sv, sq, sk = _carve(
-        torch.empty(7 * bh * nch * block_d + 3 * bh * block_d + bh * (nqb + nkb), device=dev, dtype=torch.float32),
-        [(7, bh, nch, block_d), (bh, block_d), (bh, block_d), (bh, block_d), (bh, nqb), (bh, nkb)])
+    part, k_mean, v_mean, v_mean_fix, sv, sq, sk = _carve(
+        torch.empty(7 * bh * nch * block_d + 4 * bh * block_d + bh * (nqb + nkb), device=dev, dtype=torch.float32),
+        [(7, bh, nch, block_d), (bh, block_d), (bh, block_d), (bh, block_d), (bh, block_d), (bh, nqb), (bh, nkb)])
     q8, k8, vt8, qs, ks = _carve(
         torch.empty(bh * (lq_pad * block_d + 2 * lk_pad * block_d + (lq_pad + lk_pad) * w),
                     device=dev, dtype=torch.float8_e4m3fn),
         [(bh, lq_pad, block_d), (bh, lk_pad, block_d), (bh, block_d, lk_pad), (bh, lq_pad, w), (bh, lk_pad, w)])
-    idx = torch.empty(bh, max(n, 1), device=dev, dtype=torch.int32)
+    # One int64 allocation: the outlier channels (int32, first: 16-byte aligned), V's rounding
+    # sums and the per-head block counters of _v_mean_fix.
+    n_idx = -(-bh * max(n, 1) // 4) * 2  # int64 words holding the int32 indices, 16-byte multiple
+    ints = torch.empty(n_idx + bh * block_d + bh, device=dev, dtype=torch.int64)
+    idx = ints[:n_idx].view(torch.int32)[: bh * max(n, 1)].view(bh, max(n, 1))
+    v_fix, v_cnt = _carve(ints[n_idx:], [(bh, block_d), (bh,)])
 
     _fp8_stats_kernel[(nch, bh, 3 if n else 2)](
         q, k, v, part, *q.stride(), *k.stride(), *v.stride(), H, Lq, Lk, nch, bh,
         HEAD_DIM=D, BLOCK_D=block_d, ROWS=rows, SUB=sub, NEED_Q=n > 0, Q_SAMPLE=int(tune["Q_SAMPLE"]),
         STAGES=int(tune["STATS_STAGES"]), QK_STRIDE=stride, num_warps=int(tune["STATS_WARPS"]))
-    _fp8_finalize_kernel[(bh,)](part, k_mean, v_mean, sv, idx, Lk, cdiv(Lk, stride), nch, bh,
+    _fp8_finalize_kernel[(bh,)](part, k_mean, v_mean, sv, idx, v_fix, v_cnt, Lk, cdiv(Lk, stride), nch, bh,
                                 HEAD_DIM=D, BLOCK_D=block_d, N_OUT=n, CH=16, num_warps=4)
     big = max(block_m, block_n) * block_d >= 16384  # 128x128 fp32 tiles want 8 warps
     _fp8_quant_kernel[(max(nqb, nkb), bh, 3)](
-        q, k, v, k_mean, v_mean, sv, idx, q8, sq, qs, k8, sk, ks, vt8,
-        *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E,
+        q, k, v, k_mean, v_mean, sv, idx, q8, sq, qs, k8, sk, ks, vt8, v_fix, v_cnt, v_mean_fix,
+        *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E, 1.0 / Lk,
         H, Lq, Lk, lq_pad, lk_pad, nqb, nkb,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, N_OUT=n, EXACT_CAST=exact_cast,
-        V_KEY_PERM=bool(v_key_perm), num_warps=int(tune["QUANT_WARPS"] or (8 if big else 4)))
-    return QuantizedQKV(q8, sq, qs, k8, sk, ks, vt8, sv, v_mean, n, block_m, block_n, bool(v_key_perm))
+        V_KEY_PERM=bool(v_key_perm), V_MEAN_FIX=bool(tune["V_MEAN_FIX"]),
+        num_warps=int(tune["QUANT_WARPS"] or (8 if big else 4)))
+    return QuantizedQKV(q8, sq, qs, k8, sk, ks, vt8, sv, v_mean_fix if tune["V_MEAN_FIX"] else v_mean, n,
+                        block_m, block_n, bool(v_key_perm))
 
 
 def _signature(names, types, constexprs, aligned):
@@ -457,21 +503,22 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
     stats = ("_fp8_stats_kernel", _fp8_stats_kernel, sig, const, attrs, QUANT_TUNING["STATS_WARPS"])
 
     const = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, N_OUT=n_outlier, CH=16)
-    names = ["PART", "KMEAN", "VMEAN", "SV", "IDX", "LK", "K_ROWS", "NCH", "BH", *const]
-    sig, attrs = _signature(names, dict(PART="*fp32", KMEAN="*fp32", VMEAN="*fp32", SV="*fp32", IDX="*i32"),
-                            const, ["PART", "KMEAN", "VMEAN", "SV", "IDX"])
+    names = ["PART", "KMEAN", "VMEAN", "SV", "IDX", "VFIX", "VCNT", "LK", "K_ROWS", "NCH", "BH", *const]
+    sig, attrs = _signature(names, dict(PART="*fp32", KMEAN="*fp32", VMEAN="*fp32", SV="*fp32", IDX="*i32",
+                                        VFIX="*i64", VCNT="*i64"),
+                            const, ["PART", "KMEAN", "VMEAN", "SV", "IDX", "VFIX", "VCNT"])
     finalize = ("_fp8_finalize_kernel", _fp8_finalize_kernel, sig, const, attrs, 4)
 
     const = dict(unit, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, N_OUT=n_outlier,
-                 EXACT_CAST=False, V_KEY_PERM=v_key_perm)
+                 EXACT_CAST=False, V_KEY_PERM=v_key_perm, V_MEAN_FIX=bool(QUANT_TUNING["V_MEAN_FIX"]))
     fp8 = ["Q8", "QS", "K8", "KS", "VT8"]
-    f32 = ["KMEAN", "VMEAN", "SV", "SQ", "SK"]
-    names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "IDX", "Q8", "SQ", "QS", "K8", "SK", "KS", "VT8", *strides,
-             "q_scale_mul", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", *const]
-    types = dict(Q=ptr, K=ptr, V=ptr, IDX="*i32", q_scale_mul="fp32", **{n: "*fp8e4nv" for n in fp8},
-                 **{n: "*fp32" for n in f32})
-    sig, attrs = _signature(names, types, const, ["Q", "K", "V", "IDX", *fp8, *f32, *aligned_strides,
-                                                  "LQ_PAD", "LK_PAD"])
+    f32 = ["KMEAN", "VMEAN", "SV", "SQ", "SK", "VMEAN_FIX"]
+    names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "IDX", "Q8", "SQ", "QS", "K8", "SK", "KS", "VT8", "VFIX", "VCNT",
+             "VMEAN_FIX", *strides, "q_scale_mul", "inv_lk", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", *const]
+    types = dict(Q=ptr, K=ptr, V=ptr, IDX="*i32", VFIX="*i64", VCNT="*i64", q_scale_mul="fp32", inv_lk="fp32",
+                 **{n: "*fp8e4nv" for n in fp8}, **{n: "*fp32" for n in f32})
+    sig, attrs = _signature(names, types, const, ["Q", "K", "V", "IDX", "VFIX", "VCNT", *fp8, *f32,
+                                                  *aligned_strides, "LQ_PAD", "LK_PAD"])
     warps = QUANT_TUNING["QUANT_WARPS"] or (8 if max(block_m, block_n) * block_d >= 16384 else 4)
     return [stats, finalize, ("_fp8_quant_kernel", _fp8_quant_kernel, sig, const, attrs, warps)]
 

@@ -136,7 +136,11 @@ def test_quantized_operands_are_padded_with_zeros_and_scaled():
     assert (qkv.k8.float()[:, 50:] == 0).all() and (qkv.vt8.float()[:, :, 50:] == 0).all()
     assert qkv.k8.float().abs().amax() == 448 and qkv.vt8.float().abs().amax() == 448
     k_mean = k.float().mean(dim=2)[0]
-    assert torch.allclose(qkv.vmean[:, :40], v.float().mean(dim=2)[0], atol=1e-4)
+    # vmean is V's mean less VT8's mean rounding error: the de-quantised V averages to V's mean.
+    v_mean = v.float().mean(dim=2)[0, 0]
+    vd = qkv.vt8.float()[0, :40, :50].T * qkv.sv[0, :40] + qkv.vmean[0, :40]
+    assert torch.allclose(vd.mean(0), v_mean, atol=1e-5)
+    assert ((qkv.vmean[0, :40] - v_mean).abs() <= 16 * qkv.sv[0, :40]).all()  # half e4m3's widest step
     # K was centred: de-quantised K + mean is K again, to e4m3's 2**-4 relative step.
     kd = qkv.k8.float()[0, :50, :40] * qkv.sk[0].repeat_interleave(32)[:50, None] + k_mean
     assert rel_l2(kd, k[0, 0].float()) < 0.03
@@ -288,3 +292,25 @@ def test_registry_constraints_say_what_is_served(change, refusal):
                   is_causal=False)
     fields.update(change)
     assert full.registry_constraints().check(registry_mod.Call(**fields)) == refusal
+
+
+def test_v_rounding_bias_is_taken_out_of_the_mean():
+    """bf16 V's e4m3 rounding errors share a sign per channel (both grids are fixed for a
+    channel's scale and mean), and attention passes a per-channel offset of V straight to the
+    output while a flat softmax's output shrinks like 1/sqrt(keys): at long sequences that bias
+    was the largest part of the Gaussian error (HunyuanVideo's 0.0605 rel. L2 on the H100 against
+    issue 11's 0.06). vmean carries the correction: the output against float32 with it, and with
+    V's exact mean put back (the uncorrected operands), at 16384 keys. The correction is summed in
+    integers, so a second quantisation gives the same bits."""
+    q, k, v = inputs("gauss", 1, 1, 32, 16384, 64, torch.bfloat16, seed=14)
+    cfg = full.default_config(q.device)
+    ref = full.attention_fp8_full_ref(q, k, v)
+    x = quant.quantize_qkv(q, k, v, 64 ** -0.5, cfg["BLOCK_M"], cfg["BLOCK_N"], exact_cast=True)
+    again = quant.quantize_qkv(q, k, v, 64 ** -0.5, cfg["BLOCK_M"], cfg["BLOCK_N"], exact_cast=True)
+    assert torch.equal(x.vmean, again.vmean)
+    exact = torch.zeros_like(x.vmean)
+    exact[:, :64] = v.float().mean(dim=2)[0]
+    fixed, biased = (rel_l2(full.attention_fp8_full_quantized(y, q.shape, k.shape[2], q.dtype, q.device, cfg), ref)
+                     for y in (x, x._replace(vmean=exact)))
+    # Seeds 14-17 (d64 and d128, 16384 and 32768 keys) gave 0.87-0.93 of the biased error.
+    assert fixed <= TOL["gauss"][1] and fixed <= 0.95 * biased, (fixed, biased)
