@@ -286,7 +286,7 @@ if triton is not None:
         return hi, lo
 
     @triton.jit
-    def _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, inv_lk, unit,
+    def _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, LK, unit,
                     BLOCK_D: tl.constexpr):
         """Called by each of a head's NKB V blocks after rounding its tile y (stored units,
         padding rows zero) to y8; the block that arrives last writes VMEAN_FIX = VMEAN minus
@@ -313,7 +313,7 @@ if triton is not None:
         arrived = tl.atomic_add(VCNT + bh, 1, sem="acq_rel")
         if arrived == NKB - 1:
             total = tl.atomic_add(VFIX + bh * BLOCK_D + cols, tl.zeros([BLOCK_D], dtype=tl.int64), sem="relaxed")
-            bias = total.to(tl.float32) * (inv_lk / 262144.0) * unit
+            bias = total.to(tl.float32) * (unit / (LK * 262144.0))
             tl.store(VMEAN_FIX + bh * BLOCK_D + cols, tl.load(VMEAN + bh * BLOCK_D + cols) - bias)
 
     @triton.jit
@@ -323,7 +323,7 @@ if triton is not None:
         stride_qb, stride_qh, stride_ql, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_vb, stride_vh, stride_vl, stride_vd,
-        q_scale_mul, inv_lk,
+        q_scale_mul,
         H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         N_OUT: tl.constexpr, EXACT_CAST: tl.constexpr, V_KEY_PERM: tl.constexpr = False,
@@ -392,7 +392,7 @@ if triton is not None:
             # Stored [D, L]: keys contiguous, the K-major layout P.V's fp8 MMA needs.
             tl.store(VT8 + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :], tl.trans(y8))
             if V_MEAN_FIX:
-                _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, inv_lk, sv, BLOCK_D)
+                _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, LK, sv, BLOCK_D)
 
 
 def _carve(buffer: torch.Tensor, shapes):
@@ -464,7 +464,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     big = max(block_m, block_n) * block_d >= 16384  # 128x128 fp32 tiles want 8 warps
     _fp8_quant_kernel[(max(nqb, nkb), bh, 3)](
         q, k, v, k_mean, v_mean, sv, idx, q8, sq, qs, k8, sk, ks, vt8, v_fix, v_cnt, v_mean_fix,
-        *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E, 1.0 / Lk,
+        *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E,
         H, Lq, Lk, lq_pad, lk_pad, nqb, nkb,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, N_OUT=n, EXACT_CAST=exact_cast,
         V_KEY_PERM=bool(v_key_perm), V_MEAN_FIX=bool(tune["V_MEAN_FIX"]),
@@ -514,8 +514,8 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
     fp8 = ["Q8", "QS", "K8", "KS", "VT8"]
     f32 = ["KMEAN", "VMEAN", "SV", "SQ", "SK", "VMEAN_FIX"]
     names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "IDX", "Q8", "SQ", "QS", "K8", "SK", "KS", "VT8", "VFIX", "VCNT",
-             "VMEAN_FIX", *strides, "q_scale_mul", "inv_lk", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", *const]
-    types = dict(Q=ptr, K=ptr, V=ptr, IDX="*i32", VFIX="*i64", VCNT="*i64", q_scale_mul="fp32", inv_lk="fp32",
+             "VMEAN_FIX", *strides, "q_scale_mul", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", *const]
+    types = dict(Q=ptr, K=ptr, V=ptr, IDX="*i32", VFIX="*i64", VCNT="*i64", q_scale_mul="fp32",
                  **{n: "*fp8e4nv" for n in fp8}, **{n: "*fp32" for n in f32})
     sig, attrs = _signature(names, types, const, ["Q", "K", "V", "IDX", "VFIX", "VCNT", *fp8, *f32,
                                                   *aligned_strides, "LQ_PAD", "LK_PAD"])

@@ -139,7 +139,7 @@ if triton is not None:
         stride_qb, stride_qh, stride_ql, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_vb, stride_vh, stride_vl, stride_vd,
-        q_scale_mul, v_mul, inv_lk,
+        q_scale_mul, v_mul,
         H, HK, BHK, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         V_RANGE: tl.constexpr, PV_FP8: tl.constexpr, EXACT_CAST: tl.constexpr,
@@ -185,7 +185,7 @@ if triton is not None:
                 y8 = _to_e4m3(y, EXACT_CAST)
                 tl.store(VQ + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :], tl.trans(y8))
                 # e4m3's rounding bias per channel, as in the FP8 path (fp16 V's is 2^-7 of it).
-                _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, inv_lk, sv / v_mul, BLOCK_D)
+                _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, LK, sv / v_mul, BLOCK_D)
             else:
                 tl.store(VQ + (bh.to(tl.int64) * LK_PAD + rows[:, None]) * BLOCK_D + cols[None, :],
                          y.to(tl.float16))
@@ -238,7 +238,7 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     big = max(block_m, block_n) * block_d >= 16384  # 128x128 fp32 tiles want 8 warps
     _int8_quant_kernel[(max(nqb, nkb), bhq, 3)](
         q, k, v, k_mean, v_mean, sv, mig, q8, sq, k8, sk, vq, v_fix, v_cnt, v_mean_fix,
-        *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E, float(v_range) / SV_UNIT, 1.0 / Lk,
+        *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E, float(v_range) / SV_UNIT,
         H, HK, bhk, Lq, Lk, lq_pad, lk_pad, nqb, nkb,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, V_RANGE=float(v_range),
         PV_FP8=pv == "fp8", EXACT_CAST=exact_cast, num_warps=8 if big else 4)
@@ -265,10 +265,10 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, pv: str
                  BLOCK_N=block_n, V_RANGE=float(v_range), PV_FP8=pv == "fp8", EXACT_CAST=False)
     f32 = ["KMEAN", "VMEAN", "SV", "MIG", "SQ", "SK", "VMEAN_FIX"]
     names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "MIG", "Q8", "SQ", "K8", "SK", "VQ", "VFIX", "VCNT", "VMEAN_FIX",
-             *strides, "q_scale_mul", "v_mul", "inv_lk", "H", "HK", "BHK", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB",
+             *strides, "q_scale_mul", "v_mul", "H", "HK", "BHK", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB",
              "NKB", *const]
     types = dict(Q=ptr, K=ptr, V=ptr, Q8="*i8", K8="*i8", VQ="*fp8e4nv" if pv == "fp8" else "*fp16",
-                 VFIX="*i64", VCNT="*i64", q_scale_mul="fp32", v_mul="fp32", inv_lk="fp32",
+                 VFIX="*i64", VCNT="*i64", q_scale_mul="fp32", v_mul="fp32",
                  **{n: "*fp32" for n in f32})
     aligned = ["Q", "K", "V", "Q8", "K8", "VQ", "VFIX", "VCNT", "VMEAN_FIX", "KMEAN", "VMEAN", "SV", "MIG", "SQ",
                *[f"stride_{t}{a}" for t in "qkv" for a in "bhl"], "LQ_PAD", "LK_PAD"]
