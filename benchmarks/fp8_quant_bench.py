@@ -4,7 +4,7 @@
 
 Per shape (random bf16 inputs with outlier channels, never zeros):
 1. device time of each kernel of kernels.attention_fp8_quant.quantize_qkv (stats, finalize,
-   quantise) from torch.profiler over --iters calls, with the bytes each one must move and
+   quantise, V-mean fix) from torch.profiler over --iters calls, with the bytes each one must move and
    the bandwidth that gives, beside a plain device copy of Q (read + write) as the ceiling;
 2. do_bench medians of quantize_qkv (with and without the outlier side operands, and with
    session 37's launch shapes: S37_TUNING), of the Gluon FP8 kernel alone on its output, and of
@@ -39,8 +39,11 @@ SHAPES = {"flux": (1, 24, 4608, 128), "wan": (1, 40, 32760, 128), "hunyuan": (1,
 # for 128 x 128 tiles (the last SWEEP entry; the "session 37's" columns of the table).
 S37_TUNING = dict(QK_STRIDE=1, STATS_ROWS=512, QUANT_WARPS=8)
 # Session 38 swept QK_STRIDE 1 / 16, STATS_ROWS 512 and QUANT_WARPS 8 too (benchmarks/RESULTS.md);
-# session 41: V's mean without its rounding correction (V_MEAN_FIX=0) beside the default.
+# session 41: V's mean without its rounding correction (V_MEAN_FIX=0) beside the default (since
+# session 42 the correction's cost is the quantiser's stores of block sums plus the "fix" kernel).
 SWEEP = [dict(), dict(V_MEAN_FIX=0), S37_TUNING]
+STAGES = (("stats", "_fp8_stats_kernel"), ("finalize", "_fp8_finalize_kernel"), ("quant", "_fp8_quant_kernel"),
+          ("fix", "_v_mean_fix_kernel"))
 
 
 def inputs(shape, gen):
@@ -82,8 +85,7 @@ def run_shape(name, shape, gen, iters, log, do_sweep=False):
     res["copy_q_TBps"] = res["bytes"]["copy_q"] / res["copy_q_ms"] / 1e9
     times = device_ms_per_kernel(lambda: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn), iters)
     res["kernels_ms"] = times
-    for stage, key in (("stats", "_fp8_stats_kernel"), ("finalize", "_fp8_finalize_kernel"),
-                       ("quant", "_fp8_quant_kernel")):
+    for stage, key in STAGES:
         ms = sum(t for kname, t in times.items() if key in kname)
         res[f"{stage}_ms"] = ms
         if stage in res["bytes"] and ms:
@@ -92,10 +94,8 @@ def run_shape(name, shape, gen, iters, log, do_sweep=False):
     for tune in SWEEP if do_sweep else ():
         try:
             t = device_ms_per_kernel(lambda tune=tune: quant.quantize_qkv(q, k, v, scale, glu.BLOCK_M, bn, tuning=tune), iters)
-            row = dict(tuning=tune, stats_ms=sum(x for n, x in t.items() if "_fp8_stats_kernel" in n),
-                       finalize_ms=sum(x for n, x in t.items() if "_fp8_finalize_kernel" in n),
-                       quant_ms=sum(x for n, x in t.items() if "_fp8_quant_kernel" in n))
-            row["device_ms"] = row["stats_ms"] + row["finalize_ms"] + row["quant_ms"]
+            row = dict(tuning=tune, **{f"{stage}_ms": sum(x for n, x in t.items() if key in n) for stage, key in STAGES})
+            row["device_ms"] = sum(row[f"{stage}_ms"] for stage, _ in STAGES)
         except Exception as e:  # one bad launch shape must not hide the others
             row = dict(tuning=tune, error=f"{type(e).__name__}: {e}"[:300])
         sweep.append(row)
@@ -147,18 +147,18 @@ def main():
     rows = [run_shape(n, SHAPES[n], gen, args.iters, log, args.sweep) for n in args.shapes.split(",")]
     (out_dir / "fp8_quant.json").write_text(json.dumps(rows, indent=1, default=str))
     if any(r["sweep"] for r in rows):
-        log("\n| shape | tuning | stats ms | finalize ms | quant ms | device ms |")
-        log("|---|---|---|---|---|---|")
+        log("\n| shape | tuning | stats ms | finalize ms | quant ms | fix ms | device ms |")
+        log("|---|---|---|---|---|---|---|")
         for r in rows:
             for w in r["sweep"]:
                 log(f"| {r['shape']} | {w['tuning']} | " + (w.get("error") or " | ".join(
-                    f"{w[k]:.3f}" for k in ("stats_ms", "finalize_ms", "quant_ms", "device_ms"))) + " |")
-    log("\n| shape | copy Q TB/s | QK stride | stats ms (TB/s) | finalize ms | quant ms (TB/s) | quantize_qkv ms (no side; "
+                    f"{w[k]:.3f}" for k in ("stats_ms", "finalize_ms", "quant_ms", "fix_ms", "device_ms"))) + " |")
+    log("\n| shape | copy Q TB/s | QK stride | stats ms (TB/s) | finalize ms | quant ms (TB/s) | fix ms | quantize_qkv ms (no side; "
         "session 37's) | kernel ms (TF/s) | full ms (TF/s) | full, session 37's quantisation | cuDNN TF/s | full / cuDNN | quant share |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         log(f"| {r['shape']} | {r['copy_q_TBps']:.2f} | {r['qk_stride']} | {r['stats_ms']:.3f} ({r.get('stats_TBps', 0):.2f}) "
-            f"| {r['finalize_ms']:.3f} | {r['quant_ms']:.3f} ({r.get('quant_TBps', 0):.2f}) "
+            f"| {r['finalize_ms']:.3f} | {r['quant_ms']:.3f} ({r.get('quant_TBps', 0):.2f}) | {r['fix_ms']:.3f} "
             f"| {r['quantize_ms']:.3f} ({r['quantize_no_side_ms']:.3f}; {r['quantize_s37_ms']:.3f}) "
             f"| {r['kernel_ms']:.3f} ({r['kernel_tflops']:.0f}) | {r['full_ms']:.3f} ({r['full_tflops']:.0f}) "
             f"| {r['full_s37_ms']:.3f} ({r['full_s37_tflops']:.0f}) | {r['cudnn_tflops']:.0f} "

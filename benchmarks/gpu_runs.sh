@@ -82,6 +82,13 @@
 #                                           and call table
 #   bash benchmarks/gpu_runs.sh s41c        s41a (accuracy at the benchmark shapes only), then s41, in one call
 #   bash benchmarks/gpu_runs.sh s41d        s41a at the benchmark shapes only (the correction summed in fp32 per block)
+#   bash benchmarks/gpu_runs.sh s42a        on an H200 s37h then s41d; on any other card s41d then Wan 2.1 14B default /
+#                                           Patch (the step with the V-mean correction)
+#   bash benchmarks/gpu_runs.sh s42b        the V-mean correction's block sums as plain stores, added by a launch of its
+#                                           own (session 42's second version): on an H200 s37h first; s41d's tables; on
+#                                           any other card Flux 12B default / Patch
+#   bash benchmarks/gpu_runs.sh s42e        the quantisation sweep and lean's accuracy only (~70 s; session 42's final
+#                                           V-mean correction, which reads VT8 back)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -352,7 +359,27 @@ s41d)  # the V-mean correction summed in fp32 per block: quantisation kernels wi
     timeout 100 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
       --configs sm90_lean --rep 100 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
     echo "rc $?"; grep -A40 "== accuracy" $R/gluon.txt ;;
+s42a)  # on an H200: issue 12's table (s37h) then s41d; on any other card: s41d, then Wan default / Patch after the V-mean fix
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s37h; bash "$0" s41d; exit 0; fi
+    bash "$0" s41d
+    e2e e2e_wan42 280 --models wan --variants default ours-all --steps 3 ;;
+s42b)  # the V-mean correction's block sums added by a launch of its own: on an H200 s37h first; then s41d; Flux default / Patch
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s37h; fi
+    timeout 100 python3 benchmarks/fp8_quant_bench.py --shapes flux,wan,hunyuan --sweep --out $R > $R/quant.txt 2>&1
+    echo "rc $?"; grep -A12 "^| shape | tuning" $R/quant.txt; tail -4 $R/quant.txt
+    timeout 100 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean --rep 100 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A40 "== accuracy" $R/gluon.txt
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+        e2e e2e_flux42 200 --models flux --variants default ours-all --steps 5
+    fi ;;
+s42e)  # the least device time: the quantisation sweep (with the whole call against cuDNN), then lean's accuracy
+    timeout 90 python3 benchmarks/fp8_quant_bench.py --shapes flux,wan,hunyuan --sweep --out $R > $R/quant.txt 2>&1
+    echo "rc $?"; grep -A12 "^| shape | tuning" $R/quant.txt; tail -4 $R/quant.txt
+    timeout 75 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean --rep 50 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A40 "== accuracy" $R/gluon.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e"; exit 2 ;;
 esac

@@ -315,7 +315,7 @@ def accuracy_inputs(kind: str, shape, dtype=torch.bfloat16, device="cpu", seed: 
 
 def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OUTLIER):
     """[(name, kernel, signature, constexprs, attrs, num_warps)] for
-    triton.compile(ASTSource(...)): quantize_qkv's three kernels, then the attention kernel,
+    triton.compile(ASTSource(...)): quantize_qkv's kernels, then the attention kernel,
     specialised as launches on contiguous [B, H, L, D] tensors specialise them."""
     from .attention_fp8_quant import compile_specs as quant_specs
 

@@ -1,6 +1,6 @@
 """Quantisation of Q, K and V for the full-FP8 attention kernel (attention_fp8_full.py).
 
-Three launches, all memory-bound, each reading its inputs once:
+Four launches, all memory-bound (the fourth reads the stored V again, a quarter of V's bf16 bytes):
 1. `_fp8_stats_kernel`, one program per (chunk of rows, batch*head): per-channel partial
    statistics of the sequence: max|q|, sum/min/max of k and of v. A mean over the whole
    sequence cannot be had inside the quantising pass without a grid-wide barrier, so this
@@ -14,6 +14,8 @@ Three launches, all memory-bound, each reading its inputs once:
    one multiply), V minus its mean to e4m3 with one scale per channel, written transposed
    ([D, L]: Hopper's fp8 wgmma takes its B operand K-major only, and for P.V the reduction
    runs over keys).
+4. `_v_mean_fix_kernel`, one program per (batch*head, 8 channels): reads the stored V back and
+   takes its mean rounding error out of the V mean the attention kernels add back.
 Numerics:
 - K minus its mean over the sequence: softmax(q.(k - m)) = softmax(q.k) since q.m is one
   constant per query row; real models put a large common offset on K that would otherwise
@@ -48,8 +50,11 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # Outlier channels given a second (residual) fp8 term. 2*N_OUT = 32 is the depth of one fp8
 # wgmma / mma k-step, so the side dot costs one instruction per score tile.
 N_OUTLIER = 16
+# _v_mean_fix_kernel's tile: V_FIX_CHANNELS rows of VT8 (channels) by V_FIX_KEYS keys a step.
+V_FIX_CHANNELS = 8
+V_FIX_KEYS = 1024
 STATS_ROWS = 512  # rows per stats program of the INT8 quantisation (FP8: QUANT_TUNING, twice as many)
-# Launch shape of the three kernels (quantize_qkv's `tuning` overrides any key, for sweeps):
+# Launch shape of the first three kernels (quantize_qkv's `tuning` overrides any key, for sweeps):
 # STATS_ROWS rows per stats program, read STATS_SUB rows a step with STATS_WARPS warps and the
 # loop's loads software-pipelined STATS_STAGES deep; QUANT_WARPS for the quantising kernel
 # (None: 8 for 128x128 tiles, else 4); Q_SAMPLE: the stats read Q's rows only in every
@@ -71,8 +76,8 @@ STATS_ROWS = 512  # rows per stats program of the INT8 quantisation (FP8: QUANT_
 # STATS_ROWS=1024 0.089 / 0.818 / 0.516 (half the chunks: the finalising pass 0.042 -> 0.023 ms
 # at Wan); QUANT_WARPS=4 for 128x128 tiles 0.089 / 0.807 / 0.521 (quantising pass 0.627 -> 0.569
 # at Wan); both are the defaults since.
-# V_MEAN_FIX: take V's mean rounding error out of vmean (_v_mean_fix; 0 gives V's exact mean,
-# for comparisons: benchmarks/fp8_quant_bench.py --sweep times both).
+# V_MEAN_FIX: take V's mean rounding error out of vmean (_v_mean_fix_kernel; 0 gives V's exact
+# mean, for comparisons: benchmarks/fp8_quant_bench.py --sweep times both).
 QUANT_TUNING = dict(STATS_ROWS=2 * STATS_ROWS, STATS_SUB=None, STATS_WARPS=4, STATS_STAGES=3, QUANT_WARPS=4,
                     Q_SAMPLE=1, QK_STRIDE=8, QK_MIN_ROWS=256, V_MEAN_FIX=1)
 
@@ -95,7 +100,7 @@ class QuantizedQKV(NamedTuple):
     ks: torch.Tensor  # [B*H, LK_PAD, 2*N] e4m3 side operand [k_hi, k_lo] on sk
     vt8: torch.Tensor  # [B*H, BLOCK_D, LK_PAD] e4m3 of (v - mean_v) / sv, transposed (keys permuted: v_key_perm)
     sv: torch.Tensor  # [B*H, BLOCK_D] fp32 per-channel scales of V
-    vmean: torch.Tensor  # [B*H, BLOCK_D] fp32: V's mean less VT8's mean rounding error (_v_mean_fix)
+    vmean: torch.Tensor  # [B*H, BLOCK_D] fp32: V's mean less VT8's mean rounding error (_v_mean_fix_kernel)
     n_outlier: int
     block_m: int
     block_n: int
@@ -206,17 +211,14 @@ if triton is not None:
 
     @triton.jit
     def _fp8_finalize_kernel(
-        PART, KMEAN, VMEAN, SV, IDX, VFIX, VCNT,
+        PART, KMEAN, VMEAN, SV, IDX,
         LK, K_ROWS, NCH, BH,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, N_OUT: tl.constexpr, CH: tl.constexpr,
     ):
         """Per (batch*head): K mean (over the K_ROWS rows the statistics read), V mean, V scale
-        (max|v - mean| / 448), outlier channels; zeroes the head's V rounding sums and block
-        counter (_v_mean_fix), so no state outlives a launch."""
+        (max|v - mean| / 448), outlier channels."""
         bh = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
-        tl.store(VFIX + bh * BLOCK_D + cols, tl.zeros([BLOCK_D], dtype=tl.int64))
-        tl.store(VCNT + bh, 0)
         plane = BH * NCH * BLOCK_D  # partials are small: int32 is enough
         P = PART + bh.to(tl.int64) * NCH * BLOCK_D
         q_amax = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -286,11 +288,14 @@ if triton is not None:
         return hi, lo
 
     @triton.jit
-    def _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, LK, unit,
-                    BLOCK_D: tl.constexpr):
-        """Called by each of a head's NKB V blocks after rounding its tile y (stored units,
-        padding rows zero) to y8; the block that arrives last writes VMEAN_FIX = VMEAN minus
-        the mean rounding error per channel, in input units (`unit` per stored unit).
+    def _v_mean_fix_kernel(VT8, VMEAN, UNIT, VMEAN_FIX, unit_mul, LK, LK_PAD,
+                           BLOCK_D: tl.constexpr, CHANNELS: tl.constexpr, KEYS: tl.constexpr):
+        """Program (bh, j): for channels j*CHANNELS.. of head bh, VMEAN_FIX = VMEAN minus the mean
+        of the stored values (VT8 [BH, BLOCK_D, LK_PAD], keys contiguous, padding keys zero) in
+        input units (UNIT * unit_mul per stored unit): the de-quantised V (stored * unit +
+        VMEAN_FIX) then has V's mean. The stored values' sum is their rounding errors' sum plus
+        the sum of (v - mean) / unit, which is zero over a channel's keys up to the fp32
+        rounding of the mean (the uncorrected mean carries that as well).
 
         Why: V arrives in bf16, whose grid sits in a fixed relation to e4m3's for a channel's
         scale and mean, so the rounding errors of a channel do not average out over the keys:
@@ -298,28 +303,32 @@ if triton is not None:
         straight to the output (P's rows sum to one), while the output of a flat softmax over
         L keys shrinks like 1/sqrt(L): in torch emulation (bf16 Gaussian inputs) V's rounding
         was 0.028 rel. L2 of the output at 4608 keys and 0.040 at 33390, 0.021 at both once the
-        bias is taken out. Session 41's first version cut every error to fixed point before
-        summing (an F2I per element, on the same quarter-rate pipe as the exponentials): the
-        quantising pass took 31-53 % longer on an H100. Here a block sums its errors in fp32 (a
-        fixed order for a given kernel: a repeat gives the same bits) and only the 128 column
-        sums go to fixed point (2^18 per stored unit), summed across blocks with integer
-        atomics: whatever order the blocks run in, the total is the same bits (step graphs
-        compare a replay with the eager call bit for bit)."""
-        err = tl.sum(y8.to(tl.float32) - y, 0)
-        tl.atomic_add(VFIX + bh * BLOCK_D + cols, (err * 262144.0).to(tl.int64), sem="relaxed")
-        # Every thread's atomic before the counter's release; the last block's acquire then
-        # sees all NKB blocks' sums (read back with atomics: they live in L2, not in L1).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(VCNT + bh, 1, sem="acq_rel")
-        if arrived == NKB - 1:
-            total = tl.atomic_add(VFIX + bh * BLOCK_D + cols, tl.zeros([BLOCK_D], dtype=tl.int64), sem="relaxed")
-            bias = total.to(tl.float32) * (unit / (LK * 262144.0))
-            tl.store(VMEAN_FIX + bh * BLOCK_D + cols, tl.load(VMEAN + bh * BLOCK_D + cols) - bias)
+        bias is taken out (benchmarks/fp8_v_bias_emulation.py).
+
+        Why a second read of V instead of sums taken while quantising (sessions 41-42, H100):
+        any per-channel sum inside _fp8_quant_kernel made its V role need the tile in two
+        layouts (rows of channels as loaded, rows of keys as stored), and Triton 3.6 computed
+        the whole tile twice: 255 registers and a spill against 168 (ptxas, sm_90a), 2 resident
+        programs an SM instead of 3, the quantising pass 29-46 % slower for every role (Wan
+        0.570 -> 0.738 ms, Flux 0.056 -> 0.082) whether the sums went through atomics or plain
+        stores. Reading the 1-byte VT8 again costs a quarter of V's bf16 read. Sums in a fixed
+        order: a repeat gives the same bits (step graphs compare a replay with the eager call).
+        e4m3 values are multiples of 2**-9 below 448, so each lane's running sum is exact in fp32
+        up to 2**24 * 2**-9 = 32768, i.e. for LK_PAD / KEYS <= 73 steps (Wan: 32)."""
+        bh = tl.program_id(0)
+        ch = tl.program_id(1) * CHANNELS + tl.arange(0, CHANNELS)
+        keys = tl.arange(0, KEYS)
+        row = VT8 + (bh.to(tl.int64) * BLOCK_D + ch[:, None]) * LK_PAD
+        acc = tl.zeros([CHANNELS, KEYS], dtype=tl.float32)
+        for k0 in range(0, LK_PAD, KEYS):
+            acc += tl.load(row + k0 + keys[None, :], mask=(k0 + keys < LK_PAD)[None, :], other=0.0).to(tl.float32)
+        unit = tl.load(UNIT + bh * BLOCK_D + ch) * unit_mul
+        tl.store(VMEAN_FIX + bh * BLOCK_D + ch, tl.load(VMEAN + bh * BLOCK_D + ch) - tl.sum(acc, 1) * unit / LK)
 
     @triton.jit
     def _fp8_quant_kernel(
         Q, K, V, KMEAN, VMEAN, SV, IDX,
-        Q8, SQ, QS, K8, SK, KS, VT8, VFIX, VCNT, VMEAN_FIX,
+        Q8, SQ, QS, K8, SK, KS, VT8,
         stride_qb, stride_qh, stride_ql, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_vb, stride_vh, stride_vl, stride_vd,
@@ -327,7 +336,6 @@ if triton is not None:
         H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         N_OUT: tl.constexpr, EXACT_CAST: tl.constexpr, V_KEY_PERM: tl.constexpr = False,
-        V_MEAN_FIX: tl.constexpr = True,
     ):
         """Program (i, bh, role) quantises block i of Q (role 0), K (role 1) or V (role 2):
         three independent tiles per launch rather than three in a row per program, so more
@@ -388,11 +396,9 @@ if triton is not None:
             sv = tl.load(SV + bh * BLOCK_D + cols)
             x = _quant_rows(Xv, stride_vl, stride_vd, src, cols, LK, HEAD_DIM, v_mean[None, :], 1.0)
             y = tl.minimum(tl.maximum(x * (1.0 / sv)[None, :], -448.0), 448.0)
-            y8 = _to_e4m3(y, EXACT_CAST)
             # Stored [D, L]: keys contiguous, the K-major layout P.V's fp8 MMA needs.
-            tl.store(VT8 + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :], tl.trans(y8))
-            if V_MEAN_FIX:
-                _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, LK, sv, BLOCK_D)
+            tl.store(VT8 + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :],
+                     tl.trans(_to_e4m3(y, EXACT_CAST)))
 
 
 def _carve(buffer: torch.Tensor, shapes):
@@ -448,29 +454,36 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         torch.empty(bh * (lq_pad * block_d + 2 * lk_pad * block_d + (lq_pad + lk_pad) * w),
                     device=dev, dtype=torch.float8_e4m3fn),
         [(bh, lq_pad, block_d), (bh, lk_pad, block_d), (bh, block_d, lk_pad), (bh, lq_pad, w), (bh, lk_pad, w)])
-    # One int64 allocation: the outlier channels (int32, first: 16-byte aligned), V's rounding
-    # sums and the per-head block counters of _v_mean_fix.
-    n_idx = -(-bh * max(n, 1) // 4) * 2  # int64 words holding the int32 indices, 16-byte multiple
-    ints = torch.empty(n_idx + bh * block_d + bh, device=dev, dtype=torch.int64)
-    idx = ints[:n_idx].view(torch.int32)[: bh * max(n, 1)].view(bh, max(n, 1))
-    v_fix, v_cnt = _carve(ints[n_idx:], [(bh, block_d), (bh,)])
+    idx = torch.empty(bh, max(n, 1), device=dev, dtype=torch.int32)
 
     _fp8_stats_kernel[(nch, bh, 3 if n else 2)](
         q, k, v, part, *q.stride(), *k.stride(), *v.stride(), H, Lq, Lk, nch, bh,
         HEAD_DIM=D, BLOCK_D=block_d, ROWS=rows, SUB=sub, NEED_Q=n > 0, Q_SAMPLE=int(tune["Q_SAMPLE"]),
         STAGES=int(tune["STATS_STAGES"]), QK_STRIDE=stride, num_warps=int(tune["STATS_WARPS"]))
-    _fp8_finalize_kernel[(bh,)](part, k_mean, v_mean, sv, idx, v_fix, v_cnt, Lk, cdiv(Lk, stride), nch, bh,
+    _fp8_finalize_kernel[(bh,)](part, k_mean, v_mean, sv, idx, Lk, cdiv(Lk, stride), nch, bh,
                                 HEAD_DIM=D, BLOCK_D=block_d, N_OUT=n, CH=16, num_warps=4)
     big = max(block_m, block_n) * block_d >= 16384  # 128x128 fp32 tiles want 8 warps
     _fp8_quant_kernel[(max(nqb, nkb), bh, 3)](
-        q, k, v, k_mean, v_mean, sv, idx, q8, sq, qs, k8, sk, ks, vt8, v_fix, v_cnt, v_mean_fix,
+        q, k, v, k_mean, v_mean, sv, idx, q8, sq, qs, k8, sk, ks, vt8,
         *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E,
         H, Lq, Lk, lq_pad, lk_pad, nqb, nkb,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, N_OUT=n, EXACT_CAST=exact_cast,
-        V_KEY_PERM=bool(v_key_perm), V_MEAN_FIX=bool(tune["V_MEAN_FIX"]),
+        V_KEY_PERM=bool(v_key_perm),
         num_warps=int(tune["QUANT_WARPS"] or (8 if big else 4)))
-    return QuantizedQKV(q8, sq, qs, k8, sk, ks, vt8, sv, v_mean_fix if tune["V_MEAN_FIX"] else v_mean, n,
+    fix = bool(tune["V_MEAN_FIX"])
+    if fix:
+        v_mean_fix_launch(vt8, v_mean, sv, v_mean_fix, 1.0, Lk)
+    return QuantizedQKV(q8, sq, qs, k8, sk, ks, vt8, sv, v_mean_fix if fix else v_mean, n,
                         block_m, block_n, bool(v_key_perm))
+
+
+def v_mean_fix_launch(vt8: torch.Tensor, v_mean: torch.Tensor, unit: torch.Tensor, out: torch.Tensor,
+                      unit_mul: float, lk: int) -> None:
+    """_v_mean_fix_kernel over vt8 [BH, BLOCK_D, LK_PAD] into out [BH, BLOCK_D]."""
+    bh, block_d, lk_pad = vt8.shape
+    _v_mean_fix_kernel[(bh, block_d // V_FIX_CHANNELS)](
+        vt8, v_mean, unit, out, float(unit_mul), lk, lk_pad, BLOCK_D=block_d, CHANNELS=V_FIX_CHANNELS,
+        KEYS=V_FIX_KEYS, num_warps=4)
 
 
 def _signature(names, types, constexprs, aligned):
@@ -503,25 +516,34 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
     stats = ("_fp8_stats_kernel", _fp8_stats_kernel, sig, const, attrs, QUANT_TUNING["STATS_WARPS"])
 
     const = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, N_OUT=n_outlier, CH=16)
-    names = ["PART", "KMEAN", "VMEAN", "SV", "IDX", "VFIX", "VCNT", "LK", "K_ROWS", "NCH", "BH", *const]
-    sig, attrs = _signature(names, dict(PART="*fp32", KMEAN="*fp32", VMEAN="*fp32", SV="*fp32", IDX="*i32",
-                                        VFIX="*i64", VCNT="*i64"),
-                            const, ["PART", "KMEAN", "VMEAN", "SV", "IDX", "VFIX", "VCNT"])
+    names = ["PART", "KMEAN", "VMEAN", "SV", "IDX", "LK", "K_ROWS", "NCH", "BH", *const]
+    sig, attrs = _signature(names, dict(PART="*fp32", KMEAN="*fp32", VMEAN="*fp32", SV="*fp32", IDX="*i32"),
+                            const, ["PART", "KMEAN", "VMEAN", "SV", "IDX"])
     finalize = ("_fp8_finalize_kernel", _fp8_finalize_kernel, sig, const, attrs, 4)
 
     const = dict(unit, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, N_OUT=n_outlier,
-                 EXACT_CAST=False, V_KEY_PERM=v_key_perm, V_MEAN_FIX=bool(QUANT_TUNING["V_MEAN_FIX"]))
+                 EXACT_CAST=False, V_KEY_PERM=v_key_perm)
     fp8 = ["Q8", "QS", "K8", "KS", "VT8"]
-    f32 = ["KMEAN", "VMEAN", "SV", "SQ", "SK", "VMEAN_FIX"]
-    names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "IDX", "Q8", "SQ", "QS", "K8", "SK", "KS", "VT8", "VFIX", "VCNT",
-             "VMEAN_FIX", *strides, "q_scale_mul", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", *const]
-    types = dict(Q=ptr, K=ptr, V=ptr, IDX="*i32", VFIX="*i64", VCNT="*i64", q_scale_mul="fp32",
+    f32 = ["KMEAN", "VMEAN", "SV", "SQ", "SK"]
+    names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "IDX", "Q8", "SQ", "QS", "K8", "SK", "KS", "VT8",
+             *strides, "q_scale_mul", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", *const]
+    types = dict(Q=ptr, K=ptr, V=ptr, IDX="*i32", q_scale_mul="fp32",
                  **{n: "*fp8e4nv" for n in fp8}, **{n: "*fp32" for n in f32})
-    sig, attrs = _signature(names, types, const, ["Q", "K", "V", "IDX", "VFIX", "VCNT", *fp8, *f32,
+    sig, attrs = _signature(names, types, const, ["Q", "K", "V", "IDX", *fp8, *f32,
                                                   *aligned_strides, "LQ_PAD", "LK_PAD"])
     warps = QUANT_TUNING["QUANT_WARPS"] or (8 if max(block_m, block_n) * block_d >= 16384 else 4)
-    return [stats, finalize, ("_fp8_quant_kernel", _fp8_quant_kernel, sig, const, attrs, warps)]
+    return [stats, finalize, ("_fp8_quant_kernel", _fp8_quant_kernel, sig, const, attrs, warps), v_mean_fix_spec(block_d)]
+
+
+def v_mean_fix_spec(block_d: int):
+    """_v_mean_fix_kernel's (name, kernel, signature, constexprs, attrs, num_warps) entry."""
+    const = dict(BLOCK_D=block_d, CHANNELS=V_FIX_CHANNELS, KEYS=V_FIX_KEYS)
+    f32 = ["VMEAN", "UNIT", "VMEAN_FIX"]
+    sig, attrs = _signature(["VT8", *f32, "unit_mul", "LK", "LK_PAD", *const],
+                            dict({n: "*fp32" for n in f32}, VT8="*fp8e4nv", unit_mul="fp32"), const,
+                            ["VT8", *f32, "LK_PAD"])
+    return ("_v_mean_fix_kernel", _v_mean_fix_kernel, sig, const, attrs, 4)
 
 
 __all__ = ["QuantizedQKV", "compile_specs", "quantize_qkv", "padded_head_dim", "v_key_order", "N_OUTLIER", "FP8_MAX", "LOG2E",
-           "QUANT_TUNING", "qk_stride"]
+           "QUANT_TUNING", "qk_stride", "v_mean_fix_launch", "v_mean_fix_spec"]

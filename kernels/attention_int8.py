@@ -349,7 +349,7 @@ def attention_int8_per_tensor(q, k, v, attn_mask=None, scale=None, is_causal=Fal
 
 def compile_specs(dtype: str, head_dim: int, config: dict, pv: str = "fp16"):
     """[(name, kernel, signature, constexprs, attrs, num_warps)] for
-    triton.compile(ASTSource(...)): the quantiser's three kernels, then the attention kernel,
+    triton.compile(ASTSource(...)): the quantiser's kernels, then the attention kernel,
     specialised as launches on contiguous [B, H, L, D] tensors specialise them."""
     from .attention_int8_quant import compile_specs as quant_specs
 

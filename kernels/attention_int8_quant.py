@@ -42,12 +42,13 @@ except Exception:  # importing the pack must work without Triton; callers check 
     triton = None
     tl = None
 
-from .attention_fp8_quant import QUANT_TUNING, STATS_ROWS, _carve, _signature, padded_head_dim
+from .attention_fp8_quant import (QUANT_TUNING, STATS_ROWS, _carve, _signature, padded_head_dim, v_mean_fix_launch,
+                                  v_mean_fix_spec)
 from .attention_fp8_quant import compile_specs as _fp8_quant_specs
 from .kernel_common import LOG2E, cdiv
 
 if triton is not None:
-    from .attention_fp8_quant import _fp8_stats_kernel, _quant_rows, _to_e4m3, _v_mean_fix
+    from .attention_fp8_quant import _fp8_stats_kernel, _quant_rows, _to_e4m3
 
 INT8_MAX = 127.0
 SV_UNIT = 448.0  # the statistics kernel stores max|v - mean_v| / 448 (its e4m3 scale)
@@ -81,17 +82,14 @@ if triton is not None:
 
     @triton.jit
     def _int8_finalize_kernel(
-        PART_Q, PART_KV, KMEAN, VMEAN, SV, MIG, VFIX, VCNT,
+        PART_Q, PART_KV, KMEAN, VMEAN, SV, MIG,
         LK, G, NCHQ, NCHK, BHK,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, BALANCE: tl.constexpr,
     ):
         """Per KV head: K mean, V mean, V's max|v - mean| / 448 and the channel balance
-        factor MIG = sqrt(max|q_c| / max|k_c - mean_c|) over the G query heads reading it; zeroes
-        the head's V rounding sums and block counter (attention_fp8_quant._v_mean_fix)."""
+        factor MIG = sqrt(max|q_c| / max|k_c - mean_c|) over the G query heads reading it."""
         bhk = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
-        tl.store(VFIX + bhk * BLOCK_D + cols, tl.zeros([BLOCK_D], dtype=tl.int64))
-        tl.store(VCNT + bhk, 0)
         cin = cols < HEAD_DIM
         plane = BHK * NCHK * BLOCK_D  # partials are small: int32 is enough
         P = PART_KV + bhk.to(tl.int64) * NCHK * BLOCK_D
@@ -135,7 +133,7 @@ if triton is not None:
 
     @triton.jit
     def _int8_quant_kernel(
-        Q, K, V, KMEAN, VMEAN, SV, MIG, Q8, SQ, K8, SK, VQ, VFIX, VCNT, VMEAN_FIX,
+        Q, K, V, KMEAN, VMEAN, SV, MIG, Q8, SQ, K8, SK, VQ,
         stride_qb, stride_qh, stride_ql, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_vb, stride_vh, stride_vl, stride_vd,
@@ -184,8 +182,6 @@ if triton is not None:
             if PV_FP8:
                 y8 = _to_e4m3(y, EXACT_CAST)
                 tl.store(VQ + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :], tl.trans(y8))
-                # e4m3's rounding bias per channel, as in the FP8 path (fp16 V's is 2^-7 of it).
-                _v_mean_fix(y, y8, VFIX, VCNT, VMEAN, VMEAN_FIX, bh, cols, NKB, LK, sv / v_mul, BLOCK_D)
             else:
                 tl.store(VQ + (bh.to(tl.int64) * LK_PAD + rows[:, None]) * BLOCK_D + cols[None, :],
                          y.to(tl.float16))
@@ -213,7 +209,6 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                     dtype=torch.float32),
         [(bhq, nchq, block_d), (7, bhk, nchk, block_d), (bhk, block_d), (bhk, block_d), (bhk, block_d),
          (bhk, block_d), (bhk, block_d), (bhq, lq_pad), (bhk, nkb)])
-    v_fix, v_cnt = _carve(torch.empty(bhk * block_d + bhk, device=dev, dtype=torch.int64), [(bhk, block_d), (bhk,)])
     q8, k8 = _carve(torch.empty(bhq * lq_pad * block_d + bhk * lk_pad * block_d, device=dev, dtype=torch.int8),
                     [(bhq, lq_pad, block_d), (bhk, lk_pad, block_d)])
     if pv == "fp8":
@@ -232,16 +227,18 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         k, k, v, part_kv, *k.stride(), *k.stride(), *v.stride(), HK, Lk, Lk, nchk, bhk,
         HEAD_DIM=D, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=sub, NEED_Q=False, Q_SAMPLE=1,
         STAGES=QUANT_TUNING["STATS_STAGES"], num_warps=4)
-    _int8_finalize_kernel[(bhk,)](part_q, part_kv, k_mean, v_mean, sv, mig, v_fix, v_cnt, Lk, H // HK, nchq, nchk,
-                                  bhk,
+    _int8_finalize_kernel[(bhk,)](part_q, part_kv, k_mean, v_mean, sv, mig, Lk, H // HK, nchq, nchk, bhk,
                                   HEAD_DIM=D, BLOCK_D=block_d, CH=16, BALANCE=balance, num_warps=4)
     big = max(block_m, block_n) * block_d >= 16384  # 128x128 fp32 tiles want 8 warps
     _int8_quant_kernel[(max(nqb, nkb), bhq, 3)](
-        q, k, v, k_mean, v_mean, sv, mig, q8, sq, k8, sk, vq, v_fix, v_cnt, v_mean_fix,
+        q, k, v, k_mean, v_mean, sv, mig, q8, sq, k8, sk, vq,
         *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E, float(v_range) / SV_UNIT,
         H, HK, bhk, Lq, Lk, lq_pad, lk_pad, nqb, nkb,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, V_RANGE=float(v_range),
         PV_FP8=pv == "fp8", EXACT_CAST=exact_cast, num_warps=8 if big else 4)
+    if pv == "fp8":  # e4m3's rounding bias per channel, as in the FP8 path (fp16 V's is 2^-7 of it)
+        # stored V is (v - mean) * v_mul / sv: one stored unit is sv / v_mul
+        v_mean_fix_launch(vq, v_mean, sv, v_mean_fix, SV_UNIT / float(v_range), Lk)
     return QuantizedInt8(q8, sq, k8, sk, vq, sv, v_mean_fix if pv == "fp8" else v_mean, mig, float(v_range), pv,
                          block_m, block_n)
 
@@ -255,26 +252,27 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, pv: str
     block_d = padded_head_dim(head_dim)
     const = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CH=16, BALANCE=True)
     f32 = ["PART_Q", "PART_KV", "KMEAN", "VMEAN", "SV", "MIG"]
-    sig, attrs = _signature([*f32, "VFIX", "VCNT", "LK", "G", "NCHQ", "NCHK", "BHK", *const],
-                            dict({n: "*fp32" for n in f32}, VFIX="*i64", VCNT="*i64"), const, [*f32, "VFIX", "VCNT"])
+    sig, attrs = _signature([*f32, "LK", "G", "NCHQ", "NCHK", "BHK", *const],
+                            {n: "*fp32" for n in f32}, const, f32)
     finalize = ("_int8_finalize_kernel", _int8_finalize_kernel, sig, const, attrs, 4)
 
     ptr = f"*{dtype}"
     strides = [f"stride_{t}{a}" for t in "qkv" for a in "bhld"]
     const = dict({f"stride_{t}d": 1 for t in "qkv"}, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
                  BLOCK_N=block_n, V_RANGE=float(v_range), PV_FP8=pv == "fp8", EXACT_CAST=False)
-    f32 = ["KMEAN", "VMEAN", "SV", "MIG", "SQ", "SK", "VMEAN_FIX"]
-    names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "MIG", "Q8", "SQ", "K8", "SK", "VQ", "VFIX", "VCNT", "VMEAN_FIX",
+    f32 = ["KMEAN", "VMEAN", "SV", "MIG", "SQ", "SK"]
+    names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "MIG", "Q8", "SQ", "K8", "SK", "VQ",
              *strides, "q_scale_mul", "v_mul", "H", "HK", "BHK", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB",
              "NKB", *const]
     types = dict(Q=ptr, K=ptr, V=ptr, Q8="*i8", K8="*i8", VQ="*fp8e4nv" if pv == "fp8" else "*fp16",
-                 VFIX="*i64", VCNT="*i64", q_scale_mul="fp32", v_mul="fp32",
+                 q_scale_mul="fp32", v_mul="fp32",
                  **{n: "*fp32" for n in f32})
-    aligned = ["Q", "K", "V", "Q8", "K8", "VQ", "VFIX", "VCNT", "VMEAN_FIX", "KMEAN", "VMEAN", "SV", "MIG", "SQ",
+    aligned = ["Q", "K", "V", "Q8", "K8", "VQ", "KMEAN", "VMEAN", "SV", "MIG", "SQ",
                *[f"stride_{t}{a}" for t in "qkv" for a in "bhl"], "LQ_PAD", "LK_PAD"]
     sig, attrs = _signature(names, types, const, aligned)
     warps = 8 if max(block_m, block_n) * block_d >= 16384 else 4
-    return [stats, finalize, ("_int8_quant_kernel", _int8_quant_kernel, sig, const, attrs, warps)]
+    specs = [stats, finalize, ("_int8_quant_kernel", _int8_quant_kernel, sig, const, attrs, warps)]
+    return (specs + [v_mean_fix_spec(block_d)]) if pv == "fp8" else specs
 
 
 __all__ = ["QuantizedInt8", "quantize_qkv_int8", "compile_specs", "INT8_MAX"]

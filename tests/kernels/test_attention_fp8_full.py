@@ -144,6 +144,10 @@ def test_quantized_operands_are_padded_with_zeros_and_scaled():
     # K was centred: de-quantised K + mean is K again, to e4m3's 2**-4 relative step.
     kd = qkv.k8.float()[0, :50, :40] * qkv.sk[0].repeat_interleave(32)[:50, None] + k_mean
     assert rel_l2(kd, k[0, 0].float()) < 0.03
+    # V_MEAN_FIX=0 (the sweep's comparison) hands over V's exact mean and the same operands.
+    plain = quant.quantize_qkv(q, k, v, 0.125, 32, 32, exact_cast=True, tuning=dict(V_MEAN_FIX=0))
+    assert torch.allclose(plain.vmean[0, :40], v_mean, atol=1e-6) and (plain.vmean[0, 40:] == 0).all()
+    assert torch.equal(plain.vt8.float(), qkv.vt8.float()) and not torch.equal(plain.vmean, qkv.vmean)
 
 
 @pytest.mark.parametrize("tuning", [dict(STATS_ROWS=64), dict(STATS_ROWS=64, STATS_SUB=16, STATS_WARPS=8),
@@ -300,8 +304,8 @@ def test_v_rounding_bias_is_taken_out_of_the_mean():
     output while a flat softmax's output shrinks like 1/sqrt(keys): at long sequences that bias
     was the largest part of the Gaussian error (HunyuanVideo's 0.0605 rel. L2 on the H100 against
     issue 11's 0.06). vmean carries the correction: the output against float32 with it, and with
-    V's exact mean put back (the uncorrected operands), at 16384 keys. The correction is summed in
-    integers, so a second quantisation gives the same bits."""
+    V's exact mean put back (the uncorrected operands), at 16384 keys. The block sums are added
+    in one fixed order, so a second quantisation gives the same bits."""
     q, k, v = inputs("gauss", 1, 1, 32, 16384, 64, torch.bfloat16, seed=14)
     cfg = full.default_config(q.device)
     ref = full.attention_fp8_full_ref(q, k, v)

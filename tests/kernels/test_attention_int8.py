@@ -219,7 +219,7 @@ def test_fp8_pv_operand_is_transposed_e4m3():
     vd = qkv.v[0].float().t()[:50] * (qkv.sv448[0] * 448 / 2.0) + qkv.vmean[0]
     assert rel_l2(vd, v[0, 0].float()) < 0.05  # e4m3: 3 mantissa bits
     assert qkv.v.float().abs().amax() == 2.0 and (qkv.v.float()[:, :, 50:] == 0).all()
-    # vmean carries V's mean e4m3 rounding error (attention_fp8_quant._v_mean_fix): the
+    # vmean carries V's mean e4m3 rounding error (attention_fp8_quant._v_mean_fix_kernel): the
     # de-quantised V averages to V's exact mean, which it does not with the plain mean.
     v_mean = v[0, 0].float().mean(0)
     assert torch.allclose(vd.mean(0), v_mean, atol=1e-5)

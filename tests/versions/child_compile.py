@@ -197,7 +197,7 @@ def main():
                 build(name, "fp8" + ("" if is_attn else "_quant"), f"{dtype}_d{d}_mask{mask}{'_causal' if causal else ''}",
                       spec, opts, target)
         # The full-FP8 attention's quantisers (statistics with a software-pipelined row loop,
-        # finalize, quantise): Hopper's and Ada's tiles, as quantize_qkv launches them.
+        # finalize, quantise, V-mean fix): Hopper's and Ada's tiles, as quantize_qkv launches them.
         if name in ("sm89", "sm90"):
             for kname, fn, sig, constexprs, attrs, warps in fp8q.compile_specs("bf16", 128, 128, 128):
                 build(name, "fp8_full_quant", kname, (fn, sig, constexprs, attrs),
