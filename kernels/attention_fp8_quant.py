@@ -385,6 +385,7 @@ if triton is not None:
             rows = i * BLOCK_N + tl.arange(0, BLOCK_N)
             Xv = V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
             v_mean = tl.load(VMEAN + bh * BLOCK_D + cols)
+            inv_sv = 1.0 / tl.load(SV + bh * BLOCK_D + cols)
             src = rows
             if V_KEY_PERM:
                 # Slot p of VT8 holds key v_key_order^-1(p) (inside p's 32-key group, so inside
@@ -393,9 +394,8 @@ if triton is not None:
                 # affine in the key, and the store falls apart into single bytes (session 30 on
                 # the H100: Wan's quantisation took 16 % of the attention time, 3 % without).
                 src = (rows & -32) | (rows & 16) | ((rows >> 1) & 1) << 3 | ((rows >> 2) & 3) << 1 | (rows & 1)
-            sv = tl.load(SV + bh * BLOCK_D + cols)
             x = _quant_rows(Xv, stride_vl, stride_vd, src, cols, LK, HEAD_DIM, v_mean[None, :], 1.0)
-            y = tl.minimum(tl.maximum(x * (1.0 / sv)[None, :], -448.0), 448.0)
+            y = tl.minimum(tl.maximum(x * inv_sv[None, :], -448.0), 448.0)
             # Stored [D, L]: keys contiguous, the K-major layout P.V's fp8 MMA needs.
             tl.store(VT8 + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :],
                      tl.trans(_to_e4m3(y, EXACT_CAST)))
@@ -468,8 +468,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E,
         H, Lq, Lk, lq_pad, lk_pad, nqb, nkb,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, N_OUT=n, EXACT_CAST=exact_cast,
-        V_KEY_PERM=bool(v_key_perm),
-        num_warps=int(tune["QUANT_WARPS"] or (8 if big else 4)))
+        V_KEY_PERM=bool(v_key_perm), num_warps=int(tune["QUANT_WARPS"] or (8 if big else 4)))
     fix = bool(tune["V_MEAN_FIX"])
     if fix:
         v_mean_fix_launch(vt8, v_mean, sv, v_mean_fix, 1.0, Lk)
@@ -525,12 +524,12 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
                  EXACT_CAST=False, V_KEY_PERM=v_key_perm)
     fp8 = ["Q8", "QS", "K8", "KS", "VT8"]
     f32 = ["KMEAN", "VMEAN", "SV", "SQ", "SK"]
-    names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "IDX", "Q8", "SQ", "QS", "K8", "SK", "KS", "VT8",
-             *strides, "q_scale_mul", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", *const]
-    types = dict(Q=ptr, K=ptr, V=ptr, IDX="*i32", q_scale_mul="fp32",
-                 **{n: "*fp8e4nv" for n in fp8}, **{n: "*fp32" for n in f32})
-    sig, attrs = _signature(names, types, const, ["Q", "K", "V", "IDX", *fp8, *f32,
-                                                  *aligned_strides, "LQ_PAD", "LK_PAD"])
+    names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "IDX", "Q8", "SQ", "QS", "K8", "SK", "KS", "VT8", *strides,
+             "q_scale_mul", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", *const]
+    types = dict(Q=ptr, K=ptr, V=ptr, IDX="*i32", q_scale_mul="fp32", **{n: "*fp8e4nv" for n in fp8},
+                 **{n: "*fp32" for n in f32})
+    sig, attrs = _signature(names, types, const, ["Q", "K", "V", "IDX", *fp8, *f32, *aligned_strides,
+                                                  "LQ_PAD", "LK_PAD"])
     warps = QUANT_TUNING["QUANT_WARPS"] or (8 if max(block_m, block_n) * block_d >= 16384 else 4)
     return [stats, finalize, ("_fp8_quant_kernel", _fp8_quant_kernel, sig, const, attrs, warps), v_mean_fix_spec(block_d)]
 

@@ -173,15 +173,14 @@ if triton is not None:
             rows = i * BLOCK_N + tl.arange(0, BLOCK_N)
             Xv = V + (bh // HK).to(tl.int64) * stride_vb + (bh % HK).to(tl.int64) * stride_vh
             v_mean = tl.load(VMEAN + bh * BLOCK_D + cols)
-            sv = tl.load(SV + bh * BLOCK_D + cols)
-            inv_sv = v_mul / sv
+            inv_sv = v_mul / tl.load(SV + bh * BLOCK_D + cols)
             x = _quant_rows(Xv, stride_vl, stride_vd, rows, cols, LK, HEAD_DIM, v_mean[None, :], 1.0)
             # The clamp only matters for a constant channel (deviation ~ fp32 rounding of its
             # mean): there it keeps the tile bound the FP16 accumulator relies on.
             y = tl.minimum(tl.maximum(x * inv_sv[None, :], -V_RANGE), V_RANGE)
             if PV_FP8:
-                y8 = _to_e4m3(y, EXACT_CAST)
-                tl.store(VQ + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :], tl.trans(y8))
+                tl.store(VQ + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :],
+                         tl.trans(_to_e4m3(y, EXACT_CAST)))
             else:
                 tl.store(VQ + (bh.to(tl.int64) * LK_PAD + rows[:, None]) * BLOCK_D + cols[None, :],
                          y.to(tl.float16))
@@ -252,8 +251,7 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, pv: str
     block_d = padded_head_dim(head_dim)
     const = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CH=16, BALANCE=True)
     f32 = ["PART_Q", "PART_KV", "KMEAN", "VMEAN", "SV", "MIG"]
-    sig, attrs = _signature([*f32, "LK", "G", "NCHQ", "NCHK", "BHK", *const],
-                            {n: "*fp32" for n in f32}, const, f32)
+    sig, attrs = _signature([*f32, "LK", "G", "NCHQ", "NCHK", "BHK", *const], {n: "*fp32" for n in f32}, const, f32)
     finalize = ("_int8_finalize_kernel", _int8_finalize_kernel, sig, const, attrs, 4)
 
     ptr = f"*{dtype}"
@@ -261,12 +259,10 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, pv: str
     const = dict({f"stride_{t}d": 1 for t in "qkv"}, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
                  BLOCK_N=block_n, V_RANGE=float(v_range), PV_FP8=pv == "fp8", EXACT_CAST=False)
     f32 = ["KMEAN", "VMEAN", "SV", "MIG", "SQ", "SK"]
-    names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "MIG", "Q8", "SQ", "K8", "SK", "VQ",
-             *strides, "q_scale_mul", "v_mul", "H", "HK", "BHK", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB",
-             "NKB", *const]
+    names = ["Q", "K", "V", "KMEAN", "VMEAN", "SV", "MIG", "Q8", "SQ", "K8", "SK", "VQ", *strides, "q_scale_mul",
+             "v_mul", "H", "HK", "BHK", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", *const]
     types = dict(Q=ptr, K=ptr, V=ptr, Q8="*i8", K8="*i8", VQ="*fp8e4nv" if pv == "fp8" else "*fp16",
-                 q_scale_mul="fp32", v_mul="fp32",
-                 **{n: "*fp32" for n in f32})
+                 q_scale_mul="fp32", v_mul="fp32", **{n: "*fp32" for n in f32})
     aligned = ["Q", "K", "V", "Q8", "K8", "VQ", "KMEAN", "VMEAN", "SV", "MIG", "SQ",
                *[f"stride_{t}{a}" for t in "qkv" for a in "bhl"], "LQ_PAD", "LK_PAD"]
     sig, attrs = _signature(names, types, const, aligned)

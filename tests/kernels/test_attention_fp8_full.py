@@ -304,8 +304,8 @@ def test_v_rounding_bias_is_taken_out_of_the_mean():
     output while a flat softmax's output shrinks like 1/sqrt(keys): at long sequences that bias
     was the largest part of the Gaussian error (HunyuanVideo's 0.0605 rel. L2 on the H100 against
     issue 11's 0.06). vmean carries the correction: the output against float32 with it, and with
-    V's exact mean put back (the uncorrected operands), at 16384 keys. The block sums are added
-    in one fixed order, so a second quantisation gives the same bits."""
+    V's exact mean put back (the uncorrected operands), at 16384 keys. The stored V is summed in
+    one fixed order, so a second quantisation gives the same bits."""
     q, k, v = inputs("gauss", 1, 1, 32, 16384, 64, torch.bfloat16, seed=14)
     cfg = full.default_config(q.device)
     ref = full.attention_fp8_full_ref(q, k, v)

@@ -77,7 +77,7 @@ def test_quantize_stores_v_keys_in_v_key_order():
     assert torch.equal(perm.vt8.float()[:, :, order], plain.vt8.float())
     for name in ("q8", "sq", "qs", "k8", "sk", "ks", "sv"):
         assert torch.equal(getattr(perm, name).float(), getattr(plain, name).float()), name
-    # vmean carries V's mean rounding error, summed per block in fp32 in the stored key order:
+    # vmean carries V's mean rounding error, summed in fp32 over VT8 in its stored key order:
     # the same value to fp32 rounding.
     assert torch.allclose(perm.vmean, plain.vmean, rtol=1e-6, atol=1e-7)
 
@@ -133,7 +133,7 @@ def test_relabelled_p_with_permuted_v_is_the_same_attention(shape):
     scale = shape[-1] ** -0.5
     plain = quant.quantize_qkv(q, k, v, scale, 128, 128, exact_cast=True)
     perm = quant.quantize_qkv(q, k, v, scale, 128, 128, exact_cast=True, v_key_perm=True)
-    # V's mean correction is summed in the stored key order (fp32 rounding apart, the same; the
+    # V's mean correction is summed over VT8 in its stored key order (fp32 rounding apart, the same; the
     # test above): one vmean for both, so the comparison sees only the relabelling.
     assert torch.allclose(perm.vmean, plain.vmean, rtol=1e-6, atol=1e-7)
     perm = perm._replace(vmean=plain.vmean)
