@@ -24,7 +24,7 @@ with:
   ours-linear-nocopy / ours-all-nocopy  ours-linear / ours-all with Flux's single-block GELU
                left to ComfyUI (patch_linear_model copy_activations=False; the default fuses it
                through the GEMM's contiguous copy)
-  <variant>+lean, +lean_rowsum, +lean_poly12, +lean_poly25, +lean_merged, +pv_behind, +pingpong, +persistent  that variant with TRITON_ACCEL_GLUON_VARIANT set so
+  <variant>+lean, +lean_rowsum, +lean_poly12, +lean_poly25, +lean_merged, +pv_behind, +pingpong, +persistent, +pvsplit2, +pvsplit4  that variant with TRITON_ACCEL_GLUON_VARIANT set so
                while it runs (the Gluon attention kernels' compile-checked loop variants;
                docs/settings.md), e.g. ours-all+lean or ours-all+lean_rowsum+compile
   <variant>+norms, <variant>+qk, <variant>+blocks, <variant>+nonorms  that variant with
@@ -416,7 +416,7 @@ def fast_launch_state() -> dict:
 
 COMPILED_SUFFIX = "+compile"
 GLUON_VARIANT_SUFFIXES = ("lean", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "pv_behind",
-                          "pingpong", "persistent")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
+                          "pingpong", "persistent", "pvsplit2", "pvsplit4")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
 # +norms / +blocks / +nonorms: TRITON_ACCEL_FUSED_NORMS=all / blocks / off (unset otherwise: the pack's default)
 NORMS_SUFFIXES = {"norms": "all", "nonorms": "off", "blocks": "blocks", "qk": "qk"}
 # +graph: TRITON_ACCEL_STEP_GRAPH=1 (step graphs on, the default); +nograph: 0 (every step eager).

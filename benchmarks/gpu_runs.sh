@@ -89,6 +89,13 @@
 #                                           any other card Flux 12B default / Patch
 #   bash benchmarks/gpu_runs.sh s42e        the quantisation sweep and lean's accuracy only (~70 s; session 42's final
 #                                           V-mean correction, which reads VT8 back)
+#   bash benchmarks/gpu_runs.sh s43a        on an H200 s37h first; then FP8 attention: lean against its P.V issued in 4 / 2
+#                                           slices of P (sm90_lean_pvsplit4 / pvsplit2), kernel, call and graph tables,
+#                                           accuracy at the benchmark and small shapes, lean again last (drift)
+#   bash benchmarks/gpu_runs.sh s43b        Wan 2.1 14B and Flux 12B end to end: default / Patch / Patch+pvsplit4
+#   bash benchmarks/gpu_runs.sh s43c        issue 11's side-by-side table: benchmarks/run.py at Flux, Wan 2.1 and
+#                                           HunyuanVideo (bf16) beside cuDNN, flash, flex, SageAttention 1.0.6 and
+#                                           comfy-kitchen 0.2.40 (carry .whl and the ck zip)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -379,7 +386,20 @@ s42e)  # the least device time: the quantisation sweep (with the whole call agai
     timeout 75 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
       --configs sm90_lean --rep 50 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
     echo "rc $?"; grep -A40 "== accuracy" $R/gluon.txt ;;
+s43a)  # PV_SPLIT: lean against its P.V issued in slices; on an H200 s37h first
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s37h; fi
+    timeout 280 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+      --configs sm90_lean,sm90_lean_pvsplit4,sm90_lean_pvsplit2,sm90_lean@n16 --rep 100 --acc-heads 1 --small 1 \
+      --out $R > $R/gluon.txt 2>&1
+    echo "rc $?"; grep -A80 "== accuracy" $R/gluon.txt ;;
+s43b)  # the sliced P.V end to end (Wan: FP8 attention on; Flux: auto decides per shape)
+    e2e e2e_wan43 300 --models wan --variants default ours-all ours-all+pvsplit4 --steps 3
+    e2e e2e_flux43 200 --models flux --variants default ours-all ours-all+pvsplit4 --steps 5 ;;
+s43c)  # issue 11's table: our FP8 / INT8 / BF16 attention beside every baseline, one run, quantisation included
+    OUT=$R CK=$CK STEP_TIMEOUT=420 bash benchmarks/gpu.sh \
+      "--only flux_4608_d128,wan14b_32760_d128,hunyuan_33390_d128 --dtypes bf16 --name s43_baselines" > $R/run.txt 2>&1
+    echo "rc $?"; tail -60 $R/run.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c"; exit 2 ;;
 esac

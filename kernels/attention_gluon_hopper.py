@@ -86,7 +86,7 @@ LOG2_P_SCALE = 8.8073
 # "sm90_lean" is the default (default_config). "sm90_lean_rowsum" fails the Gaussian accuracy
 # bar (cosine 0.974 at Wan: e4m3 row sums are too coarse).
 _LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0, MERGED_EMPTY=False,
-                      PV_BEHIND=False, PINGPONG=False, PERSISTENT=False)
+                      PV_BEHIND=False, PINGPONG=False, PERSISTENT=False, PV_SPLIT=1)
 # The lean loop (session 31's default): two key tiles a trip, P in wgmma's operand order, the
 # output rescaled early; the variants below are lean plus one option each.
 _LEAN = dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
@@ -145,6 +145,22 @@ GLUON_CONFIGS = {
     # 801 against 857. Flux's deficit is its last wave instead (gluon_waves_bench.py: 6.55
     # waves at 746, the same 36 key tiles a CTA tile in 9.00 whole waves at 800). Opt-in.
     "sm90_lean_persistent": dict(_LEAN, PERSISTENT=True),
+    # lean with each tile's P.V issued in PV_SPLIT column slices of P (_softmax_pv_split): the
+    # first slice's P.V goes to the tensor cores as soon as its exponentials are done and runs
+    # under the next slice's, so a warpgroup waits at the end of a tile for the last slice's
+    # P.V only (BLOCK_N / PV_SPLIT keys) instead of the whole tile's. In lean the two
+    # warpgroups' softmaxes tend to run at the same time (sharing the MUFU pipe, the tensor
+    # cores doing only the next Q.K^T meanwhile) and both P.Vs after them with the MUFU pipe
+    # idle; a slice's P.V moves tensor-core work into the softmax phase. The slices are a
+    # register bit of the accumulator layout (no data moves) and VT8's tile read as column
+    # slices of the same shared-memory slot; the SASS shows the slices' wgmmas between the
+    # exponentials. Measured slower (H200, session 43, kernel alone, TFLOP/s): pvsplit4 Flux
+    # 727, Wan 817, HunyuanVideo 783 against lean's 725-739 / 831-845 / 826-841; pvsplit2
+    # 706 / 773 / 783; the same accuracy. The extra wgmma issues and their warpgroup fences
+    # cost more than the overlap gains. Opt-in for comparisons. Two slices keep a wider e4m3
+    # slice live: 240 registers (ptxas spills in the loop at 232).
+    "sm90_lean_pvsplit2": dict(_LEAN, PV_SPLIT=2, CONSUMER_REGS=240),
+    "sm90_lean_pvsplit4": dict(_LEAN, PV_SPLIT=4),
 }
 
 # POLY_EXP's exponential, 2^x for x <= LOG2_P_SCALE: x clamped at -126 (2^-126, the smallest
@@ -487,20 +503,86 @@ if gluon is not None:
             return pv
 
     @gluon.jit
+    def _halves(x):
+        # Columns [0, n/2) and [n/2, n) of a [rows, n] tile. The wgmma accumulator layout gives
+        # a thread columns 8i + 2t + e with i a register index, so column bit n/2 is a bit of
+        # i: the split picks registers and moves no data.
+        rows: gl.constexpr = x.shape[0]
+        n: gl.constexpr = x.shape[1]
+        return gl.split(gl.permute(gl.reshape(x, [rows, 2, n // 2]), [0, 2, 1]))
+
+    @gluon.jit
+    def _pv_slice(acc, x, v_tile, C0: gl.constexpr, p_layout: gl.constexpr, PERM_P: gl.constexpr,
+                  POLY_EXP: gl.constexpr):
+        # One column slice of P (x = its exp2 arguments) times VT8's keys C0.. of the tile,
+        # issued onto acc (in flight or not: the wgmmas of a tile chain on one accumulator).
+        # PERM_P's relabelling acts inside each 32-column k-step, so a slice of it is the
+        # same relabelling of the slice's keys.
+        p = _exp2_p(x, POLY_EXP)
+        w: gl.constexpr = x.shape[1]
+        acc = warpgroup_mma(_p_operand(p, p_layout, PERM_P), v_tile.slice(C0, w, dim=1).permute((1, 0)), acc,
+                            is_async=True)
+        return acc, p
+
+    @gluon.jit
+    def _softmax_pv_split(s, m_i, l_i, c, cols, LK, acc, v_ring, v_full, r, p_layout: gl.constexpr,
+                          o_layout: gl.constexpr, BOUNDARY: gl.constexpr, PERM_P: gl.constexpr,
+                          POLY_EXP: gl.constexpr, STAGES: gl.constexpr, PV_SPLIT: gl.constexpr):
+        # _softmax_tile + _pv_update (EARLY_RESCALE, one-level) with P.V issued slice by
+        # slice: slice i's P.V runs on the tensor cores while slice i+1's exponentials run on
+        # the MUFU pipe. Returns the in-flight P.V (acc once waited for), alpha, m, l. The row
+        # sum adds the slices elementwise first (same layout) and reduces once.
+        if BOUNDARY:
+            s = gl.where(gl.expand_dims(cols < LK, 0), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * c)
+        alpha = gl.exp2(m_i - m_new)
+        a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        acc = acc * a
+        x = s * c - gl.expand_dims(m_new - 8.8073, 1)  # in [.., LOG2_P_SCALE]: P <= 448
+        n: gl.constexpr = x.shape[1]
+        slot = _ring_slot(r, STAGES)
+        v_tile = v_ring.index(slot)
+        x0, x1 = _halves(x)
+        mbarrier.wait(v_full.index(slot), _ring_phase(r, STAGES))
+        if PV_SPLIT == 2:
+            acc, p_sum = _pv_slice(acc, x0, v_tile, 0, p_layout, PERM_P, POLY_EXP)
+            acc, p = _pv_slice(acc, x1, v_tile, n // 2, p_layout, PERM_P, POLY_EXP)
+            p_sum = p_sum + p
+        else:
+            gl.static_assert(PV_SPLIT == 4, "PV_SPLIT is 1, 2 or 4")
+            x00, x01 = _halves(x0)
+            x10, x11 = _halves(x1)
+            acc, p_sum = _pv_slice(acc, x00, v_tile, 0, p_layout, PERM_P, POLY_EXP)
+            acc, p = _pv_slice(acc, x01, v_tile, n // 4, p_layout, PERM_P, POLY_EXP)
+            p_sum = p_sum + p
+            acc, p = _pv_slice(acc, x10, v_tile, n // 2, p_layout, PERM_P, POLY_EXP)
+            p_sum = p_sum + p
+            acc, p = _pv_slice(acc, x11, v_tile, 3 * (n // 4), p_layout, PERM_P, POLY_EXP)
+            p_sum = p_sum + p
+        l_i = l_i * alpha + gl.convert_layout(gl.sum(p_sum, 1), m_new.type.layout)
+        return acc, alpha, m_new, l_i
+
+    @gluon.jit
     def _kv_step(s, acc, m_i, l_i, j, R0, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full,
                  v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK, p_layout: gl.constexpr, o_layout: gl.constexpr,
                  l_layout: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
                  EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                 POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr):
+                 POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr, PV_SPLIT: gl.constexpr = 1):
         # One key tile j that is not the last: tile j+1's scores go to the tensor cores
         # first and run under tile j's softmax. R0 + j is the tile's place in the ring's
         # sequence (R0 = 0 unless PERSISTENT: the key tiles of the CTA's earlier tiles).
         s_next = _issue_qk(q, qs, k_ring, ks_ring, k_full, s_zero, R0 + j + 1, STAGES, N_OUT)
         c = q_scale * gl.load(SK + j)
-        p8, alpha, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, offs_n, LK, acc, p_layout, o_layout, False,
-                                                    EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
-        pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, R0 + j, l_layout, STAGES,
-                             TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
+        if PV_SPLIT > 1:
+            gl.static_assert(EARLY_RESCALE and not (TWO_LEVEL or ROWSUM_MMA), "PV_SPLIT splits lean's P.V")
+            pv, alpha, m_i, l_i = _softmax_pv_split(s, m_i, l_i, c, offs_n, LK, acc, v_ring, v_full, R0 + j, p_layout,
+                                                    o_layout, False, PERM_P, POLY_EXP, STAGES, PV_SPLIT)
+            a = acc  # unused: one-level accumulation returns pv
+        else:
+            p8, alpha, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, offs_n, LK, acc, p_layout, o_layout, False,
+                                                        EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
+            pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, R0 + j, l_layout,
+                                 STAGES, TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
         if ROWSUM_MMA:
             s, pv, l_i = warpgroup_mma_wait(0, deps=(s_next, pv, l_i))
         else:
@@ -516,7 +598,8 @@ if gluon is not None:
                   m_i, l_i, offs_n, q_scale, SK, LK, NKB, R0, p_layout: gl.constexpr, o_layout: gl.constexpr,
                   l_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr,
                   TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
-                  ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr):
+                  ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr,
+                  PV_SPLIT: gl.constexpr = 1):
         # Each warpgroup on its own: Q.K^T of tile j+1 is issued before tile j's softmax;
         # the two warpgroups interleave as the warp schedulers see fit (FlashAttention-3's
         # explicit ping-pong, turn barriers between the warpgroups, measured 15-20% slower
@@ -546,11 +629,11 @@ if gluon is not None:
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, R0, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
                                             k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
                                             p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE,
-                                            PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
+                                            PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_SPLIT=PV_SPLIT)
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j + 1, R0, q, qs, k_ring, ks_ring, v_ring, ones_smem,
                                             k_full, k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK,
                                             LK, p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL,
-                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
+                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_SPLIT=PV_SPLIT)
             # An odd count of inner tiles ends with one more inner step and the last tile in
             # their own branch: a branch that merged the score tile back (one step peeled
             # before or after the loop) made ptxas spill 1.5 KB and serialise the wgmmas.
@@ -558,37 +641,43 @@ if gluon is not None:
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, NKB - 2, R0, q, qs, k_ring, ks_ring, v_ring, ones_smem,
                                             k_full, k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK,
                                             LK, p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL,
-                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
+                                            EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_SPLIT=PV_SPLIT)
                 acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, R0, offs_n, v_ring, ones_smem, v_full,
                                       v_empty, o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL,
-                                      EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
+                                      EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, PV_SPLIT=PV_SPLIT)
             else:
                 acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, R0, offs_n, v_ring, ones_smem, v_full,
                                       v_empty, o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL,
-                                      EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
+                                      EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, PV_SPLIT=PV_SPLIT)
         else:
             for j in range(0, NKB - 1):
                 s, acc, m_i, l_i = _kv_step(s, acc, m_i, l_i, j, R0, q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full,
                                             k_empty, v_full, v_empty, s_zero, o_zero, offs_n, q_scale, SK, LK,
                                             p_layout, o_layout, l_layout, STAGES, N_OUT, TWO_LEVEL, EARLY_RESCALE,
-                                            PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
+                                            PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_SPLIT=PV_SPLIT)
             acc, l_i = _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, R0, offs_n, v_ring, ones_smem, v_full, v_empty,
                                   o_zero, p_layout, o_layout, l_layout, BLOCK_N, STAGES, TWO_LEVEL, EARLY_RESCALE,
-                                  PERM_P, ROWSUM_MMA, POLY_EXP)
+                                  PERM_P, ROWSUM_MMA, POLY_EXP, PV_SPLIT=PV_SPLIT)
         return acc, l_i
 
     @gluon.jit
     def _last_tile(s, acc, m_i, l_i, q_scale, SK, LK, NKB, R0, offs_n, v_ring, ones_smem, v_full, v_empty, o_zero,
                    p_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, TWO_LEVEL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
-                   ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr):
+                   ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, PV_SPLIT: gl.constexpr = 1):
         # The last key tile: the only one that can hold padded keys, masked to -inf here.
         last = NKB - 1
         c = q_scale * gl.load(SK + last)
-        p8, alpha, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, last * BLOCK_N + offs_n, LK, acc, p_layout,
-                                                    o_layout, True, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
-        pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, R0 + last, l_layout,
-                             STAGES, TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
+        if PV_SPLIT > 1:
+            pv, alpha, m_i, l_i = _softmax_pv_split(s, m_i, l_i, c, last * BLOCK_N + offs_n, LK, acc, v_ring, v_full,
+                                                    R0 + last, p_layout, o_layout, True, PERM_P, POLY_EXP, STAGES,
+                                                    PV_SPLIT)
+            a = acc  # unused: one-level accumulation returns pv
+        else:
+            p8, alpha, a, m_i, l_i, acc = _softmax_tile(s, m_i, l_i, c, last * BLOCK_N + offs_n, LK, acc, p_layout,
+                                                        o_layout, True, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP)
+            pv, l_i = _pv_update(acc, p8, a, alpha, l_i, ones_smem, v_ring, v_full, o_zero, R0 + last, l_layout,
+                                 STAGES, TWO_LEVEL, EARLY_RESCALE, ROWSUM_MMA)
         if ROWSUM_MMA:
             pv, l_i = warpgroup_mma_wait(0, deps=(pv, l_i))
         else:
@@ -699,7 +788,7 @@ if gluon is not None:
                        BLOCK_D: gl.constexpr, STAGES: gl.constexpr, N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr,
                        UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
                        ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr,
-                       PV_BEHIND: gl.constexpr, PINGPONG: gl.constexpr):
+                       PV_BEHIND: gl.constexpr, PINGPONG: gl.constexpr, PV_SPLIT: gl.constexpr = 1):
         # This warpgroup's 64 query rows of CTA tile (start_m, bh), Q in `q` / `qs` once q_bar
         # completes phase q_phase; its key tiles are the ring's R0-th onwards.
         ROWS: gl.constexpr = 64
@@ -729,6 +818,7 @@ if gluon is not None:
         mbarrier.wait(q_bar, q_phase)
         if PV_BEHIND:
             gl.static_assert(not (TWO_LEVEL or (ROWSUM_MMA or MERGED_EMPTY)), "PV_BEHIND is lean's loop reordered")
+            gl.static_assert(PV_SPLIT == 1, "PV_SPLIT is for lean's loop")
             acc, l_i = _mainloop_pv_behind(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full,
                                            v_empty, s_zero, o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB,
                                            p_layout, o_layout, l_layout, BLOCK_N, STAGES, N_OUT, PERM_P, POLY_EXP,
@@ -738,7 +828,7 @@ if gluon is not None:
             acc, l_i = _mainloop(q, qs, k_ring, ks_ring, v_ring, ones_smem, k_full, k_empty, v_full, v_empty,
                                  s_zero, o_zero, acc, m_i, l_i, offs_n, q_scale, SK, LK, NKB, R0, p_layout, o_layout,
                                  l_layout, BLOCK_N, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P,
-                                 ROWSUM_MMA, POLY_EXP, MERGED_EMPTY)
+                                 ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_SPLIT=PV_SPLIT)
         if ROWSUM_MMA:
             l_i = gl.max(l_i, 1)
 
@@ -762,7 +852,7 @@ if gluon is not None:
                             TWO_LEVEL: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr,
                             PERM_P: gl.constexpr, ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr,
                             MERGED_EMPTY: gl.constexpr, PV_BEHIND: gl.constexpr, PINGPONG: gl.constexpr,
-                            PERSISTENT: gl.constexpr):
+                            PERSISTENT: gl.constexpr, PV_SPLIT: gl.constexpr = 1):
         if PERSISTENT:
             # The producer's tile order (_load_partition); Q buffer i % 2 goes back to it once
             # this tile's output is written (it refills the buffer for tile i + 2).
@@ -775,7 +865,7 @@ if gluon is not None:
                                SQ, SK, SV, VMEAN, O, stride_ob, stride_oh, stride_om, stride_od, H, bh,
                                t - bh * NQB, i * NKB, LQ, LK, NQB, NKB, WG, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES,
                                N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP, MERGED_EMPTY,
-                               PV_BEHIND, PINGPONG)
+                               PV_BEHIND, PINGPONG, PV_SPLIT=PV_SPLIT)
                 mbarrier.arrive(q_empty.index(buf), count=1)
                 i += 1
         else:
@@ -783,7 +873,7 @@ if gluon is not None:
                            ones_smem, k_full, k_empty, v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_ob, stride_oh,
                            stride_om, stride_od, H, gl.program_id(1), gl.program_id(0), 0, LQ, LK, NQB, NKB, WG,
                            HEAD_DIM, BLOCK_N, BLOCK_D, STAGES, N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P,
-                           ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_BEHIND, PINGPONG)
+                           ROWSUM_MMA, POLY_EXP, MERGED_EMPTY, PV_BEHIND, PINGPONG, PV_SPLIT=PV_SPLIT)
 
     @gluon.jit
     def _attn_fp8_gluon_fwd(
@@ -794,7 +884,7 @@ if gluon is not None:
         N_OUT: gl.constexpr, TWO_LEVEL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr, EARLY_RESCALE: gl.constexpr, PERM_P: gl.constexpr,
         ROWSUM_MMA: gl.constexpr, POLY_EXP: gl.constexpr, MERGED_EMPTY: gl.constexpr, PV_BEHIND: gl.constexpr,
-        PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
+        PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr, PV_SPLIT: gl.constexpr,
     ):
         # Grid (NQB, B*H), one CTA tile each, or with PERSISTENT (min(SMs, N_TILES),) CTAs
         # walking N_TILES = NQB * B*H tiles.
@@ -830,12 +920,12 @@ if gluon is not None:
                                    k_empty, v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_ob, stride_oh, stride_om,
                                    stride_od, H, LQ, LK, NQB, NKB, N_TILES, 0, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES,
                                    N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP,
-                                   MERGED_EMPTY, PV_BEHIND, PINGPONG, PERSISTENT)),
+                                   MERGED_EMPTY, PV_BEHIND, PINGPONG, PERSISTENT, PV_SPLIT)),
             (_consumer_partition, (q_smem, qs_smem, k_ring, ks_ring, v_ring, ones_smem, q_full, q_empty, k_full,
                                    k_empty, v_full, v_empty, SQ, SK, SV, VMEAN, O, stride_ob, stride_oh, stride_om,
                                    stride_od, H, LQ, LK, NQB, NKB, N_TILES, 1, HEAD_DIM, BLOCK_N, BLOCK_D, STAGES,
                                    N_OUT, TWO_LEVEL, UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA, POLY_EXP,
-                                   MERGED_EMPTY, PV_BEHIND, PINGPONG, PERSISTENT)),
+                                   MERGED_EMPTY, PV_BEHIND, PINGPONG, PERSISTENT, PV_SPLIT)),
             (_load_partition, (q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, qs_smem, k_ring, ks_ring,
                                v_ring, ones_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, LQ_PAD, LK_PAD,
                                NQB, NKB, N_TILES, BLOCK_N, BLOCK_D, STAGES, N_OUT, ROWSUM_MMA, MERGED_EMPTY,
@@ -885,7 +975,8 @@ cache_registry.register("kernels.attention_gluon_hopper.ones_descriptor", _ones_
 _VARIANT_CONFIGS = {"default": "sm90_lean", "lean": "sm90_lean", "classic": "sm90", "lean_rowsum": "sm90_lean_rowsum",
                     "lean_poly12": "sm90_lean_poly12", "lean_poly25": "sm90_lean_poly25",
                     "lean_merged": "sm90_lean_merged", "pv_behind": "sm90_pv_behind", "pingpong": "sm90_pingpong",
-                    "persistent": "sm90_lean_persistent"}
+                    "persistent": "sm90_lean_persistent", "pvsplit2": "sm90_lean_pvsplit2",
+                    "pvsplit4": "sm90_lean_pvsplit4"}
 
 
 def default_config(device=None) -> dict:

@@ -29,7 +29,7 @@ CACHE_DIR = "TRITON_ACCEL_CACHE_DIR"
 GLUON = "TRITON_ACCEL_GLUON"
 GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
 GLUON_VARIANTS = ("default", "lean", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "pv_behind",
-                  "pingpong", "persistent")
+                  "pingpong", "persistent", "pvsplit2", "pvsplit4")
 FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
 FUSED_ROPE = "TRITON_ACCEL_FUSED_ROPE"
 STEP_GRAPH = "TRITON_ACCEL_STEP_GRAPH"
@@ -74,7 +74,10 @@ SETTINGS = (
             "FlashAttention-3's turn barriers between the two consumer warpgroups (both measured 6-11 % "
             "slower than lean on an H100). persistent: lean as a persistent kernel (one CTA per SM walks the "
             "query-block tiles; the next tile's loads overlap a tile's end; measured no faster at Flux and "
-            "2-7 % slower at Wan and HunyuanVideo on an H100). Any other value means default."),
+            "2-7 % slower at Wan and HunyuanVideo on an H100). pvsplit2 / pvsplit4: lean with each key tile's "
+            "P.V issued in 2 / 4 column slices of P, each slice's product running under the next slice's "
+            "exponentials (measured 2-8 % slower at Wan and HunyuanVideo, no faster at Flux, on the H200). "
+            "Any other value means default."),
     Setting(FUSED_NORMS, "all",
             "Patch nodes that put our attention into a model also fuse its norms. all (the "
             "default): as qk, and the double and single blocks of ComfyUI's Flux layers (Flux, "

@@ -44,6 +44,19 @@ def instructions(sass: str) -> list:
 
 def main_loop(sass: str, mma_per_tile: int) -> dict | None:
     """{tiles, per_tile: {opcode: count / tiles}, copies, spills} of the main loop, or None."""
+    body = _loop_body(sass, mma_per_tile)
+    if body is None:
+        return None
+    mma = sum(1 for _, o, _ in body if o.startswith(MMA_OPS))
+    tiles = max(1, round(mma / mma_per_tile))
+    ops = Counter(o.split(".")[0] for _, o, _ in body)
+    copies = sum(1 for _, o, _ in body if o == "MOV" or o.startswith("IMAD.MOV"))
+    return dict(tiles=tiles, per_tile={k: v / tiles for k, v in ops.items()}, copies=copies / tiles,
+                spills=ops.get("LDL", 0) + ops.get("STL", 0), total=sum(ops.values()) / tiles)
+
+
+def _loop_body(sass: str, mma_per_tile: int) -> list | None:
+    """main_loop()'s loop body as (address, opcode, operands), or None."""
     ins = instructions(sass)
     for addr, op, args in ins:
         if not op.startswith("BRA"):
@@ -52,16 +65,30 @@ def main_loop(sass: str, mma_per_tile: int) -> dict | None:
         if not target or int(target.group(1), 16) >= addr:
             continue
         lo = int(target.group(1), 16)
-        body = [(a, o) for a, o, _ in ins if lo <= a <= addr]
-        mma = sum(1 for _, o in body if o.startswith(MMA_OPS))
-        if mma < mma_per_tile:
-            continue
-        tiles = max(1, round(mma / mma_per_tile))
-        ops = Counter(o.split(".")[0] for _, o in body)
-        copies = sum(1 for _, o in body if o == "MOV" or o.startswith("IMAD.MOV"))
-        return dict(tiles=tiles, per_tile={k: v / tiles for k, v in ops.items()}, copies=copies / tiles,
-                    spills=ops.get("LDL", 0) + ops.get("STL", 0), total=sum(ops.values()) / tiles)
+        body = [x for x in ins if lo <= x[0] <= addr]
+        if sum(1 for _, o, _ in body if o.startswith(MMA_OPS)) >= mma_per_tile:
+            return body
     return None
+
+
+def register_a_mma_gaps(sass: str, mma_per_tile: int) -> list | None:
+    """MUFU instructions between consecutive register-A matrix instructions (P.V: P from
+    registers, `QGMMA Rd, Ra, gdesc[..]`; Q.K^T reads both operands from shared memory) of
+    the main loop, in program order, or None. A tile's P.V issued in one piece shows its
+    k-steps back to back (0, 0, 0 within the tile); issued in slices, the exponentials of
+    the next slice sit between them."""
+    body = _loop_body(sass, mma_per_tile)
+    if body is None:
+        return None
+    gaps, mufu, seen = [], 0, False
+    for _, op, args in body:
+        if op.startswith(MMA_OPS) and re.search(r"\bR\d+,\s*R\d+,\s*gdesc", args):
+            if seen:
+                gaps.append(mufu)
+            seen, mufu = True, 0
+        elif op.startswith("MUFU"):
+            mufu += 1
+    return gaps
 
 
 def spills(sass: str) -> int:

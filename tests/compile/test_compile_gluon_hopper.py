@@ -52,7 +52,8 @@ SMEM_LIMIT_SM90 = 232448
 JOBS = [("sm90", 128), ("sm90", 64), ("sm90_two_level", 128), ("sm90_unroll", 128), ("sm90_early", 128),
         ("sm90_permp", 128), ("sm90_lean", 128), ("sm90_lean", 64), ("sm90_lean_rowsum", 128),
         ("sm90_lean_poly12", 128), ("sm90_lean_poly25", 128), ("sm90_lean_merged", 128), ("sm90_pv_behind", 128),
-        ("sm90_pingpong", 128), ("sm90_pingpong", 64), ("sm90_lean_persistent", 128), ("sm90_lean_persistent", 64)]
+        ("sm90_pingpong", 128), ("sm90_pingpong", 64), ("sm90_lean_persistent", 128), ("sm90_lean_persistent", 64),
+        ("sm90_lean_pvsplit2", 128), ("sm90_lean_pvsplit4", 128), ("sm90_lean_pvsplit4", 64)]
 TRITONS = ["installed", "3.6"]
 
 WORKER = r"""
@@ -91,6 +92,7 @@ for cfg_name, d in jobs:
             per_tile = block_d // 32 + 1 + cfg["BLOCK_N"] // 32 * (2 if rowsum else 1)
             out.append(dict(
                 loop=None if listing is None else compile_report.main_loop(listing, per_tile),
+                pv_gaps=None if listing is None else compile_report.register_a_mma_gaps(listing, per_tile),
                 sass_spills=None if listing is None else compile_report.spills(listing),
                 ok=True, kernel=kname, cubin=len(k.asm.get("cubin", b"")), shared=k.metadata.shared,
                 mma=dict(Counter(re.findall(r"\b(wgmma\.mma_async[\w.]*)", ptx))),
@@ -314,3 +316,27 @@ def test_persistent_keeps_leans_inner_loop(report, job):
     second_q = 2 * 64 * (block_d + 32)  # both warpgroups' Q and outlier-side tiles, e4m3
     assert lean_r["shared"] + second_q <= r["shared"] <= lean_r["shared"] + second_q + 128, (r["shared"],
                                                                                              lean_r["shared"])
+
+
+@pytest.mark.parametrize("job", JOBS, ids=_ids(JOBS))
+def test_pv_split_interleaves_exponentials(report, job):
+    """PV_SPLIT's point, in the SASS: between the P.V slices of a key tile the next slice's
+    exponentials (MUFU.EX2) run; lean's P.V k-steps follow each other with none between."""
+    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
+
+    r = report[job]
+    compile_report.main_loop_of(r)  # skips without cuobjdump; no spills in the loop
+    cfg = GLUON_CONFIGS[job[0]]
+    split = loop_options(cfg)["PV_SPLIT"]
+    if loop_options(cfg)["PV_BEHIND"] or cfg["TWO_LEVEL"] or loop_options(cfg)["ROWSUM_MMA"]:
+        pytest.skip("P.V issued differently (no slices to look for)")
+    k_steps = cfg["BLOCK_N"] // 32  # P.V k-steps a tile: QGMMA instructions with P in registers
+    gaps = r["pv_gaps"]
+    assert gaps and (len(gaps) + 1) % k_steps == 0, gaps
+    for t in range((len(gaps) + 1) // k_steps):
+        within = gaps[t * k_steps:(t + 1) * k_steps - 1]
+        split_points = sum(1 for g in within if g > 0)
+        if split == 1:
+            assert split_points == 0, (t, gaps)
+        else:
+            assert split_points >= split - 1, (t, gaps)

@@ -183,13 +183,14 @@ def test_launcher_refuses_operands_quantised_for_the_other_order():
 def test_every_config_names_its_loop_options():
     for name, cfg in glu.GLUON_CONFIGS.items():
         assert set(glu.loop_options(cfg)) == {"UNROLL", "EARLY_RESCALE", "PERM_P", "ROWSUM_MMA", "POLY_EXP",
-                                              "MERGED_EMPTY", "PV_BEHIND", "PINGPONG", "PERSISTENT"}, name
+                                              "MERGED_EMPTY", "PV_BEHIND", "PINGPONG", "PERSISTENT", "PV_SPLIT"}, name
         assert cfg["UNROLL"] in (1, 2) and glu.loop_options(cfg)["POLY_EXP"] in (0, 1, 2), name
     # A config dict written before the options existed reads as the measured loop.
     old = {k: v for k, v in glu.GLUON_CONFIGS["sm90"].items()
            if k not in ("UNROLL", "EARLY_RESCALE", "PERM_P", "ROWSUM_MMA")}
     assert glu.loop_options(old) == dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0,
-                                         MERGED_EMPTY=False, PV_BEHIND=False, PINGPONG=False, PERSISTENT=False)
+                                         MERGED_EMPTY=False, PV_BEHIND=False, PINGPONG=False, PERSISTENT=False,
+                                         PV_SPLIT=1)
     assert glu.GLUON_CONFIGS["sm90_lean"] == dict(glu.GLUON_CONFIGS["sm90"], UNROLL=2, EARLY_RESCALE=True,
                                                     PERM_P=True)
     assert glu.GLUON_CONFIGS["sm90_lean_rowsum"] == dict(glu.GLUON_CONFIGS["sm90_lean"], ROWSUM_MMA=True,
@@ -207,12 +208,20 @@ def test_every_config_names_its_loop_options():
     assert glu.GLUON_CONFIGS["sm90_pingpong"] == dict(behind, PINGPONG=True)
     # The persistent kernel is lean's loop in a tile loop: nothing else differs.
     assert glu.GLUON_CONFIGS["sm90_lean_persistent"] == dict(glu.GLUON_CONFIGS["sm90_lean"], PERSISTENT=True)
+    # The sliced P.V is lean's loop with the tile's P.V issued in slices; two slices keep one
+    # more e4m3 slice live and take 240 registers (ptxas spills in the loop at 232).
+    assert glu.GLUON_CONFIGS["sm90_lean_pvsplit4"] == dict(glu.GLUON_CONFIGS["sm90_lean"], PV_SPLIT=4)
+    assert glu.GLUON_CONFIGS["sm90_lean_pvsplit2"] == dict(glu.GLUON_CONFIGS["sm90_lean"], PV_SPLIT=2,
+                                                           CONSUMER_REGS=240)
     for cfg in glu.GLUON_CONFIGS.values():
         opts = glu.loop_options(cfg)
         assert opts["PV_BEHIND"] or not opts["PINGPONG"]  # the kernel's static_assert, checked here too
         assert not (opts["PERSISTENT"] and (opts["PV_BEHIND"] or opts["ROWSUM_MMA"]))  # likewise
         if opts["PV_BEHIND"]:
             assert not (cfg["TWO_LEVEL"] or opts["ROWSUM_MMA"] or opts["MERGED_EMPTY"])
+        if opts["PV_SPLIT"] > 1:  # _kv_step's static_assert: slices of lean's one-level P.V
+            assert opts["PV_SPLIT"] in (2, 4) and cfg["BLOCK_N"] // opts["PV_SPLIT"] >= 32
+            assert opts["EARLY_RESCALE"] and not (cfg["TWO_LEVEL"] or opts["ROWSUM_MMA"] or opts["PV_BEHIND"])
 
 
 @pytest.mark.parametrize("value, fp8, bf16", [
@@ -227,9 +236,11 @@ def test_every_config_names_its_loop_options():
     ("pv_behind", "sm90_pv_behind", {64: 1, 128: 1, 256: 1}),
     ("pingpong", "sm90_pingpong", {64: 1, 128: 1, 256: 1}),
     ("persistent", "sm90_lean_persistent", {64: 1, 128: 1, 256: 1}),
+    ("pvsplit2", "sm90_lean_pvsplit2", {64: 1, 128: 1, 256: 1}),
+    ("pvsplit4", "sm90_lean_pvsplit4", {64: 1, 128: 1, 256: 1}),
     ("fast", "sm90_lean", {64: 1, 128: 1, 256: 1}),
 ], ids=["unset", "lean", "lean-spaced", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "pv_behind",
-        "pingpong", "persistent", "unknown"])
+        "pingpong", "persistent", "pvsplit2", "pvsplit4", "unknown"])
 def test_variant_setting_picks_the_default_configs(monkeypatch, value, fp8, bf16):
     if value is None:
         monkeypatch.delenv(env_settings.GLUON_VARIANT, raising=False)
