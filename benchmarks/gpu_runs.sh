@@ -96,6 +96,8 @@
 #   bash benchmarks/gpu_runs.sh s43c        issue 11's side-by-side table: benchmarks/run.py at Flux, Wan 2.1 and
 #                                           HunyuanVideo (bf16) beside cuDNN, flash, flex, SageAttention 1.0.6 and
 #                                           comfy-kitchen 0.2.40 (carry .whl and the ck zip)
+#   bash benchmarks/gpu_runs.sh s44a        s43c's side-by-side table (issue 11's targets are defined on an H200), then
+#                                           the quantisation's device time per kernel (fp8_quant_bench.py --sweep)
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -399,7 +401,11 @@ s43c)  # issue 11's table: our FP8 / INT8 / BF16 attention beside every baseline
     OUT=$R CK=$CK STEP_TIMEOUT=420 bash benchmarks/gpu.sh \
       "--only flux_4608_d128,wan14b_32760_d128,hunyuan_33390_d128 --dtypes bf16 --name s43_baselines" > $R/run.txt 2>&1
     echo "rc $?"; tail -60 $R/run.txt ;;
+s44a)  # issue 11's side-by-side table with this release's code, then where the quantisation's time goes
+    bash "$0" s43c
+    timeout 100 python3 benchmarks/fp8_quant_bench.py --shapes flux,wan,hunyuan --sweep --out $R > $R/quant.txt 2>&1
+    echo "rc $?"; grep -A12 "^| shape | tuning" $R/quant.txt; tail -4 $R/quant.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c, s44a"; exit 2 ;;
 esac
