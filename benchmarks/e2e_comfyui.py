@@ -415,8 +415,19 @@ def fast_launch_state() -> dict:
 
 
 COMPILED_SUFFIX = "+compile"
-GLUON_VARIANT_SUFFIXES = ("lean", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "pv_behind",
-                          "pingpong", "persistent", "pvsplit2", "pvsplit4")  # +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>
+
+
+def _env_settings_module():
+    # kernels/env_settings.py is stdlib-only (install.py loads it the same way): its list of
+    # variants is read before the pack is loaded, which happens only inside a variant's run.
+    spec = importlib.util.spec_from_file_location("triton_accel_e2e_env_settings", ROOT / "kernels" / "env_settings.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>, for every variant but "default"
+GLUON_VARIANT_SUFFIXES = tuple(v for v in _env_settings_module().GLUON_VARIANTS if v != "default")
 # +norms / +blocks / +nonorms: TRITON_ACCEL_FUSED_NORMS=all / blocks / off (unset otherwise: the pack's default)
 NORMS_SUFFIXES = {"norms": "all", "nonorms": "off", "blocks": "blocks", "qk": "qk"}
 # +graph: TRITON_ACCEL_STEP_GRAPH=1 (step graphs on, the default); +nograph: 0 (every step eager).
