@@ -75,6 +75,40 @@ def test_unreachable_registry_reads_as_offline(monkeypatch, tmp_path):
     assert not vm.install_dir("3.9").exists() and not list(tmp_path.iterdir())
 
 
+def _fresh_matrix_module(monkeypatch):
+    # Loaded again so that its module-level CACHE / KERNEL_CACHE read the patched environment
+    # (registered first: its dataclasses look their module up in sys.modules).
+    spec = importlib.util.spec_from_file_location("triton_version_matrix_env", Path(__file__).with_name("version_matrix.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compiled_kernels_go_where_ci_keeps_them(monkeypatch, tmp_path):
+    """The children's Triton cache: the clone's CACHE/kernels-X.Y by default,
+    TRITON_ACCEL_VERSIONS_KERNELS/kernels-X.Y when set (.ci/run: the user's cache folder, so a
+    fresh clone compiles only what changed), a new temporary folder under
+    TRITON_ACCEL_VERSIONS_FRESH; the wheels stay in CACHE either way."""
+    for var in ("TRITON_ACCEL_VERSIONS_KERNELS", "TRITON_ACCEL_VERSIONS_FRESH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TRITON_ACCEL_VERSIONS_CACHE", str(tmp_path / "clone"))
+    default = _fresh_matrix_module(monkeypatch)
+    assert default._child_env("3.6", False)["TRITON_CACHE_DIR"] == str(tmp_path / "clone" / "kernels-3.6")
+    monkeypatch.setenv("TRITON_ACCEL_VERSIONS_KERNELS", str(tmp_path / "user"))
+    kept = _fresh_matrix_module(monkeypatch)
+    env = kept._child_env("3.6", False)
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "user" / "kernels-3.6")
+    assert env["PYTHONPATH"] == str(tmp_path / "clone" / "triton-3.6")
+    monkeypatch.setenv("TRITON_ACCEL_VERSIONS_FRESH", "1")
+    fresh = kept._child_env("3.6", False)["TRITON_CACHE_DIR"]
+    assert not fresh.startswith(str(tmp_path)) and Path(fresh).is_dir()
+    Path(fresh).rmdir()
+    ci = (vm.ROOT / ".ci" / "run").read_text()
+    assert 'export TRITON_ACCEL_VERSIONS_KERNELS=' in ci and "bash tests/run.sh" in ci
+    assert ci.index("TRITON_ACCEL_VERSIONS_KERNELS") < ci.index("bash tests/run.sh")
+
+
 @pytest.mark.parametrize("minor", VERSIONS)
 def test_release_installs_and_is_the_one_imported(matrix, minor):
     res = _version(matrix, minor)
