@@ -43,7 +43,9 @@ CACHE = Path(os.environ.get("TRITON_ACCEL_VERSIONS_CACHE") or ROOT / ".cache" / 
 # user's cache folder, as Triton's own ~/.triton/cache is for the rest of the suite: a fresh
 # clone then compiles only the kernels whose source changed (Triton's key is the source, the
 # options, the target and the Triton build, not the checkout's path) instead of all of them
-# for eight releases (579 of a fresh-clone CI's 1034 s of tests, 2026-12-07).
+# for eight releases (579 of a fresh-clone CI's 1034 s of tests, 2026-12-07). Except AMD on
+# 3.2-3.8: their HIP options hash the paths of the install's ocml.bc / ockl.bc (3.9 hashes
+# the files' contents), and the wheels are installed per clone.
 KERNEL_CACHE = Path(os.environ.get("TRITON_ACCEL_VERSIONS_KERNELS") or CACHE)
 
 # Triton minor -> the newest patch release on PyPI with a Linux x86_64 cp311 wheel
