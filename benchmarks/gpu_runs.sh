@@ -98,7 +98,7 @@
 #                                           comfy-kitchen 0.2.40 (carry .whl and the ck zip)
 #   bash benchmarks/gpu_runs.sh s44a        s43c's side-by-side table (issue 11's targets are defined on an H200), then
 #                                           the quantisation's device time per kernel (fp8_quant_bench.py --sweep)
-#   bash benchmarks/gpu_runs.sh s44b        FP8 kernel with and without its outlier side operands (sm90_lean@n0), lean
+#   bash benchmarks/gpu_runs.sh s44b        FP8 kernel at Flux and Wan with and without its outlier side operands (@n0), lean
 #                                           timed again last for the run's drift; accuracy at the benchmark shapes
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
@@ -305,7 +305,7 @@ s38d)  # the statistics reading 1 row in 8 of Q and K: quantisation kernels swep
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then exec bash "$0" s37h; fi ;;
 s39a)  # on an H200: s37h first; then the persistent lean kernel beside lean (kernel table, accuracy, bit-equality)
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" s37h; fi
-    timeout 300 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+    timeout 240 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan --bf16-shapes "" \
       --configs sm90_lean,sm90_lean_persistent --rep 100 --acc-heads 1 --small 1 --out $R > $R/gluon.txt 2>&1
     echo "rc $?"; grep -A60 "== accuracy" $R/gluon.txt | grep -v "(1, 2, \|(2, 3, \|(1, 1, " ;;
 s39b)  # on an H200: s37h first; then the FP8 kernel over whole and partial waves (gluon_waves_bench.py)
@@ -409,7 +409,7 @@ s44a)  # issue 11's side-by-side table with this release's code, then where the 
     echo "rc $?"; grep -A12 "^| shape | tuning" $R/quant.txt; tail -4 $R/quant.txt ;;
 s44b)  # what the outlier side operands cost: lean, lean without them, lean again
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout 300 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan,hunyuan --bf16-shapes "" \
+    timeout 240 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan --bf16-shapes "" \
       --configs sm90_lean,sm90_lean@n0,sm90_lean@n16 --rep 100 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
     echo "rc $?"; grep -A60 "== accuracy" $R/gluon.txt ;;
 s35w)
