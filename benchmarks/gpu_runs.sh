@@ -100,6 +100,12 @@
 #                                           the quantisation's device time per kernel (fp8_quant_bench.py --sweep)
 #   bash benchmarks/gpu_runs.sh s44b        FP8 kernel at Flux and Wan with and without its outlier side operands (@n0), lean
 #                                           timed again last for the run's drift; accuracy at the benchmark shapes
+#   bash benchmarks/gpu_runs.sh s45         Triton 3.9 on the GPU (carry .carry/triton-3.9.0.tar.xz, made by
+#                                           benchmarks/carry_triton.sh 3.9.0): triton_release_check.py (every kernel
+#                                           family, accuracy and speed), then gpu_check.py under it
+#   bash benchmarks/gpu_runs.sh s45b        the machine's own Triton on triton_release_check.py, then again with FP
+#                                           fusion left to TRITON_DEFAULT_FP_FUSION=0 (Triton 3.10's default);
+#                                           compare with triton_release_check.py --compare
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -412,7 +418,20 @@ s44b)  # what the outlier side operands cost: lean, lean without them, lean agai
     timeout 240 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan --bf16-shapes "" \
       --configs sm90_lean,sm90_lean@n0,sm90_lean@n16 --rep 100 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
     echo "rc $?"; grep -A60 "== accuracy" $R/gluon.txt ;;
+s45)  # Triton 3.9 (carried) on every kernel family, then the flash kernel's correctness matrix under it
+    python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')" || exit 1
+    t39() { PYTHONPATH=/tmp/t39 TRITON_CACHE_DIR=/tmp/tc39 "$@"; }
+    t39 python3 -c "import triton; print('carried', triton.__version__, triton.__file__)"
+    t39 timeout 380 python3 benchmarks/triton_release_check.py --out $R > $R/release_39.txt 2>&1; echo "rc $?"
+    tail -45 $R/release_39.txt
+    t39 timeout 150 python3 benchmarks/gpu_check.py --jobs 12 > $R/gpu_check_39.txt 2>&1; echo "rc $?"
+    tail -4 $R/gpu_check_39.txt ;;
+s45b)  # the machine's own Triton on the same checks, then with FP fusion left to TRITON_DEFAULT_FP_FUSION=0
+    timeout 250 python3 benchmarks/triton_release_check.py --out $R > $R/release_own.txt 2>&1; echo "rc $?"
+    tail -45 $R/release_own.txt
+    timeout 300 python3 benchmarks/triton_release_check.py --tag unpinned --unpinned --out $R > $R/release_unpinned.txt 2>&1
+    echo "rc $?"; tail -45 $R/release_unpinned.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c, s44a, s44b"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c, s44a, s44b, s45, s45b"; exit 2 ;;
 esac

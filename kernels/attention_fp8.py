@@ -49,8 +49,8 @@ from . import cache_registry
 from . import device as _device
 from .attention_checks import check_attention_inputs
 from .attention_ref import attention_ref
-from .kernel_common import (LOG2E, arch_family, cdiv, family_in, fp8_device_refusal, interpreter_upcast, mask_layout,
-                            next_pow2, row_alignment, shape_class)
+from .kernel_common import (LAUNCH_OPTIONS, LOG2E, arch_family, cdiv, family_in, fp8_device_refusal,
+                            interpreter_upcast, mask_layout, next_pow2, row_alignment, shape_class)
 from .registry import BackendUnavailableError
 
 if triton is not None:
@@ -384,7 +384,7 @@ def _quantise(x, block: int, block_d: int, scale_mul: float, mean, hi, n_hi: int
         HEAD_DIM=D, GROUP=group, BLOCK=block, BLOCK_D=block_d, N_HI=n_hi,
         SUB_MEAN=mean is not None, EXACT_CAST=exact_cast,
         num_warps=8 if block * block_d >= 16384 else 4,  # 128x256 fp32 tiles spill at 4 warps
-    )
+        **LAUNCH_OPTIONS)
     return y, s, yh
 
 
@@ -420,7 +420,7 @@ def _launch(q, k, v, attn_mask, scale, is_causal, config, interpreter):
         MASK_KIND=mask_kind, MASK_ROW_BCAST=row_bcast, IS_CAUSAL=bool(is_causal),
         ALIGN=row_alignment(v, out), N_HI=n_hi, WHILE_LOOP=interpreter,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
+        **LAUNCH_OPTIONS)
     return out
 
 

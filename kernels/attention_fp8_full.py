@@ -41,7 +41,7 @@ from .attention_checks import half_precision_refusal
 from .attention_fp8_quant import FP8_MAX, LOG2E, N_OUTLIER, padded_head_dim, quantize_qkv
 from .attention_ref import attention_ref
 from .gpu_rules import min_capability_for
-from .kernel_common import fp8_device_refusal
+from .kernel_common import LAUNCH_OPTIONS, fp8_device_refusal
 
 if triton is not None:
     from .attention_fp8_quant import _to_e4m3
@@ -244,7 +244,7 @@ def attention_fp8_full_quantized(qkv, q_shape, lk: int, dtype, device, config, r
         *out.stride(), H, Lq, lk, lq_pad, qkv.k8.shape[1], qkv.sq.shape[1], qkv.sk.shape[1],
         HEAD_DIM=D, BLOCK_M=qkv.block_m, BLOCK_N=qkv.block_n, BLOCK_D=block_d, N_OUT=qkv.n_outlier,
         EXACT_CAST=device.type == "cpu", TWO_LEVEL=config.get("TWO_LEVEL", True), RETURN_LSE=return_lse,
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **LAUNCH_OPTIONS)
     return (out, lse) if return_lse else out
 
 

@@ -44,7 +44,7 @@ except Exception:  # importing the pack must work without Triton; callers check 
     triton = None
     tl = None
 
-from .kernel_common import LOG2E, cdiv  # noqa: E402  (one constant for every kernel)
+from .kernel_common import LAUNCH_OPTIONS, LOG2E, cdiv  # noqa: E402  (one constant for every kernel)
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # Outlier channels given a second (residual) fp8 term. 2*N_OUT = 32 is the depth of one fp8
@@ -459,16 +459,16 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     _fp8_stats_kernel[(nch, bh, 3 if n else 2)](
         q, k, v, part, *q.stride(), *k.stride(), *v.stride(), H, Lq, Lk, nch, bh,
         HEAD_DIM=D, BLOCK_D=block_d, ROWS=rows, SUB=sub, NEED_Q=n > 0, Q_SAMPLE=int(tune["Q_SAMPLE"]),
-        STAGES=int(tune["STATS_STAGES"]), QK_STRIDE=stride, num_warps=int(tune["STATS_WARPS"]))
+        STAGES=int(tune["STATS_STAGES"]), QK_STRIDE=stride, num_warps=int(tune["STATS_WARPS"]), **LAUNCH_OPTIONS)
     _fp8_finalize_kernel[(bh,)](part, k_mean, v_mean, sv, idx, Lk, cdiv(Lk, stride), nch, bh,
-                                HEAD_DIM=D, BLOCK_D=block_d, N_OUT=n, CH=16, num_warps=4)
+                                HEAD_DIM=D, BLOCK_D=block_d, N_OUT=n, CH=16, num_warps=4, **LAUNCH_OPTIONS)
     big = max(block_m, block_n) * block_d >= 16384  # 128x128 fp32 tiles want 8 warps
     _fp8_quant_kernel[(max(nqb, nkb), bh, 3)](
         q, k, v, k_mean, v_mean, sv, idx, q8, sq, qs, k8, sk, ks, vt8,
         *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E,
         H, Lq, Lk, lq_pad, lk_pad, nqb, nkb,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, N_OUT=n, EXACT_CAST=exact_cast,
-        V_KEY_PERM=bool(v_key_perm), num_warps=int(tune["QUANT_WARPS"] or (8 if big else 4)))
+        V_KEY_PERM=bool(v_key_perm), num_warps=int(tune["QUANT_WARPS"] or (8 if big else 4)), **LAUNCH_OPTIONS)
     fix = bool(tune["V_MEAN_FIX"])
     if fix:
         v_mean_fix_launch(vt8, v_mean, sv, v_mean_fix, 1.0, Lk)
@@ -482,7 +482,7 @@ def v_mean_fix_launch(vt8: torch.Tensor, v_mean: torch.Tensor, unit: torch.Tenso
     bh, block_d, lk_pad = vt8.shape
     _v_mean_fix_kernel[(bh, block_d // V_FIX_CHANNELS)](
         vt8, v_mean, unit, out, float(unit_mul), lk, lk_pad, BLOCK_D=block_d, CHANNELS=V_FIX_CHANNELS,
-        KEYS=V_FIX_KEYS, num_warps=4)
+        KEYS=V_FIX_KEYS, num_warps=4, **LAUNCH_OPTIONS)
 
 
 def _signature(names, types, constexprs, aligned):

@@ -37,7 +37,7 @@ import torch
 from . import cache_registry, env_settings
 from . import device as _device
 from .attention_fp8_quant import N_OUTLIER, padded_head_dim, quantize_qkv
-from .kernel_common import sm_count
+from .kernel_common import LAUNCH_OPTIONS, sm_count
 from .gpu_rules import GLUON_CAPABILITY, feature_refusal
 
 log = logging.getLogger("triton_accel.kernels.attention_gluon_hopper")  # not __name__: the clone's folder name
@@ -1050,7 +1050,7 @@ def attention_gluon_fp8_quantized(qkv, q_shape, lk: int, dtype, device, config, 
         *out.stride(), H, Lq, lk, lq_pad, lk_pad, qkv.sq.shape[1], qkv.sk.shape[1], n_tiles,
         HEAD_DIM=D, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"], N_OUT=qkv.n_outlier,
         TWO_LEVEL=config["TWO_LEVEL"], CONSUMER_REGS=config["CONSUMER_REGS"],
-        PRODUCER_REGS=config["PRODUCER_REGS"], **loop, num_warps=4)
+        PRODUCER_REGS=config["PRODUCER_REGS"], **loop, num_warps=4, **LAUNCH_OPTIONS)
     return out
 
 

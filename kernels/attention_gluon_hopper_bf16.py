@@ -26,7 +26,7 @@ import torch
 
 from . import env_settings
 from .attention_checks import half_precision_refusal
-from .kernel_common import LOG2E
+from .kernel_common import LAUNCH_OPTIONS, LOG2E
 from .attention_gluon_hopper import (
     BLOCK_M,
     ROWS_PER_WARPGROUP,
@@ -387,7 +387,7 @@ def attention_gluon_bf16(q, k, v, scale=None, config=None):
         *out.stride(), H, H // Hk, Lq, Lk, nkb, scale * LOG2E,
         HEAD_DIM=D, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"],
         CONSUMER_REGS=config["CONSUMER_REGS"], PRODUCER_REGS=config["PRODUCER_REGS"],
-        UNROLL=config.get("UNROLL", 1), num_warps=4)
+        UNROLL=config.get("UNROLL", 1), num_warps=4, **LAUNCH_OPTIONS)
     return out
 
 

@@ -51,7 +51,7 @@ from .attention_int8_quant import QuantizedInt8, quantize_qkv_int8
 from .attention_ref import attention_ref
 from .gpu_rules import (amd_arch_blocker, amd_int8_refusal, capability_refusal, min_capability_for,
                         nvidia_gpu_blocker, version_tuple)
-from .kernel_common import arch_family, family_in
+from .kernel_common import LAUNCH_OPTIONS, arch_family, family_in
 
 if triton is not None:
     from .attention_fp8_quant import _to_e4m3
@@ -303,7 +303,7 @@ def attention_int8_quantized(qkv: QuantizedInt8, q_shape, kv_heads: int, lk: int
         *out.stride(), H, H // kv_heads, Lq, lk, lq_pad, lk_pad, qkv.sk.shape[1], 448.0 / qkv.v_range,
         HEAD_DIM=D, BLOCK_M=qkv.block_m, BLOCK_N=qkv.block_n, BLOCK_D=block_d, PV_FP8=qkv.pv == "fp8",
         EXACT_CAST=device.type == "cpu", RETURN_LSE=return_lse,
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **LAUNCH_OPTIONS)
     return (out, lse) if return_lse else out
 
 

@@ -45,7 +45,7 @@ except Exception:  # importing the pack must work without Triton; callers check 
 from .attention_fp8_quant import (QUANT_TUNING, STATS_ROWS, _carve, _signature, padded_head_dim, v_mean_fix_launch,
                                   v_mean_fix_spec)
 from .attention_fp8_quant import compile_specs as _fp8_quant_specs
-from .kernel_common import LOG2E, cdiv
+from .kernel_common import LAUNCH_OPTIONS, LOG2E, cdiv
 
 if triton is not None:
     from .attention_fp8_quant import _fp8_stats_kernel, _quant_rows, _to_e4m3
@@ -220,21 +220,21 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         _fp8_stats_kernel[(nchq, bhq, 1)](
             q, q, q, part_q, *q.stride(), *q.stride(), *q.stride(), H, Lq, Lq, nchq, bhq,
             HEAD_DIM=D, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=sub, NEED_Q=True, Q_SAMPLE=1,
-            STAGES=QUANT_TUNING["STATS_STAGES"], num_warps=4)
+            STAGES=QUANT_TUNING["STATS_STAGES"], num_warps=4, **LAUNCH_OPTIONS)
     # K and V (NEED_Q=False: the role axis starts at K).
     _fp8_stats_kernel[(nchk, bhk, 2)](
         k, k, v, part_kv, *k.stride(), *k.stride(), *v.stride(), HK, Lk, Lk, nchk, bhk,
         HEAD_DIM=D, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=sub, NEED_Q=False, Q_SAMPLE=1,
-        STAGES=QUANT_TUNING["STATS_STAGES"], num_warps=4)
+        STAGES=QUANT_TUNING["STATS_STAGES"], num_warps=4, **LAUNCH_OPTIONS)
     _int8_finalize_kernel[(bhk,)](part_q, part_kv, k_mean, v_mean, sv, mig, Lk, H // HK, nchq, nchk, bhk,
-                                  HEAD_DIM=D, BLOCK_D=block_d, CH=16, BALANCE=balance, num_warps=4)
+                                  HEAD_DIM=D, BLOCK_D=block_d, CH=16, BALANCE=balance, num_warps=4, **LAUNCH_OPTIONS)
     big = max(block_m, block_n) * block_d >= 16384  # 128x128 fp32 tiles want 8 warps
     _int8_quant_kernel[(max(nqb, nkb), bhq, 3)](
         q, k, v, k_mean, v_mean, sv, mig, q8, sq, k8, sk, vq,
         *q.stride(), *k.stride(), *v.stride(), float(scale) * LOG2E, float(v_range) / SV_UNIT,
         H, HK, bhk, Lq, Lk, lq_pad, lk_pad, nqb, nkb,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, V_RANGE=float(v_range),
-        PV_FP8=pv == "fp8", EXACT_CAST=exact_cast, num_warps=8 if big else 4)
+        PV_FP8=pv == "fp8", EXACT_CAST=exact_cast, num_warps=8 if big else 4, **LAUNCH_OPTIONS)
     if pv == "fp8":  # e4m3's rounding bias per channel, as in the FP8 path (fp16 V's is 2^-7 of it)
         # stored V is (v - mean) * v_mul / sv: one stored unit is sv / v_mul
         v_mean_fix_launch(vq, v_mean, sv, v_mean_fix, SV_UNIT / float(v_range), Lk)

@@ -22,8 +22,8 @@ import math
 import torch
 
 from . import direct_launch
-from .kernel_common import (LOG2E, arch_family, dot_input_precision, family_in, is_hip, next_pow2, row_alignment,
-                            sm_count, tl, triton)
+from .kernel_common import (LAUNCH_OPTIONS, LOG2E, arch_family, dot_input_precision, family_in, is_hip, next_pow2,
+                            row_alignment, sm_count, tl, triton)
 
 if triton is not None:
     from .kernel_common import load_2d, row_offsets
@@ -201,7 +201,8 @@ def attention_short_kv(q, k, v, scale=None, info=None, interpreter=False, config
         WHILE_LOOP=interpreter,
     )
     args = _runtime_args(q, k, v, out, scale, H, Lq, Lk, n_tiles)
-    kernel = _attn_short_kv_fwd[grid](*args, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    kernel = _attn_short_kv_fwd[grid](*args, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                      **LAUNCH_OPTIONS)
     if plan_key is not None and not interpreter:
         direct_launch.record(plan_key, kernel, grid, (*consts.values(),), args, out_index=3)
     return out

@@ -32,7 +32,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
 
 from . import cache_registry, direct_launch
 from . import device as _device
-from .kernel_common import (LOG2E, arch_family, dot_input_precision, family_in, is_hip,
+from .kernel_common import (LAUNCH_OPTIONS, LOG2E, arch_family, dot_input_precision, family_in, is_hip,
                             is_out_of_resources, mask_layout, next_pow2, row_alignment, sm_count)
 
 if triton is not None:
@@ -437,7 +437,7 @@ def attention_triton(q, k, v, attn_mask=None, scale=None, is_causal=False, confi
             H, Hkv, Lq, Lk,
             **consts,
             num_warps=c["num_warps"], num_stages=c["num_stages"],
-        )
+            **LAUNCH_OPTIONS)
         return kernel, grid, tuple(consts[n] for n in _CONSTEXPR_ORDER), use_tma
 
     fit_key = (tuple(sorted(cfg.items())), q.device, q.dtype, D, mask_kind, row_bcast, bool(is_causal))

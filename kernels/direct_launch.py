@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from . import cache_registry, env_settings
+from .kernel_common import LAUNCH_OPTIONS
 
 log = logging.getLogger("triton_accel.kernels.direct_launch")  # not __name__: the clone's folder name
 
@@ -143,7 +144,7 @@ def jit_or_plan(kernel, grid: tuple, args: tuple, consts: dict, out_index: int, 
     signature's verified plan, or None while it has none (see SiteMemo)."""
     out = args[out_index]
     if not usable(out):
-        kernel[grid](*args, **consts, **options)
+        kernel[grid](*args, **consts, **options, **LAUNCH_OPTIONS)
         return None
     order = _orders.get(kernel)
     if order is None:
@@ -154,7 +155,8 @@ def jit_or_plan(kernel, grid: tuple, args: tuple, consts: dict, out_index: int, 
     if plan is not None:
         launch(plan, out.device.index, args)
         return plan
-    record(key, kernel[grid](*args, **consts, **options), grid, values, args, out_index=out_index, written=written)
+    record(key, kernel[grid](*args, **consts, **options, **LAUNCH_OPTIONS), grid, values, args, out_index=out_index,
+           written=written)
     return lookup(key)
 
 

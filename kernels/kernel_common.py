@@ -403,3 +403,16 @@ def fp8_device_refusal(device: torch.device, what: str) -> str | None:
         return f"{what} supports NVIDIA and AMD GPUs only; {info.name} is {info.arch}"
     rule = capability_refusal(info.vendor, info.capability, info.name, fp8=True)
     return rule.reason if rule is not None else None
+
+
+# ---- launch options (at the end: a line added above the @triton.jit helpers would move their
+# line numbers, which are part of every dependent kernel's cache key) ----
+
+# Compile options every launch of a pack kernel passes (`kernel[grid](..., **LAUNCH_OPTIONS)`).
+# FP fusion (a*b+c as one FMA, one rounding; ptxas without --fmad=false) is what every kernel
+# was tuned and checked with. Left unset it follows TRITON_DEFAULT_FP_FUSION: Triton 3.9 warns
+# on the first launch of each process that its default turns OFF in 3.10, and any release
+# compiles the softmax's scale-and-subtract, the online rescale and the epilogues' dequantise
+# as separate multiplies and adds where that variable is 0 (more instructions in
+# latency-bound loops, different rounding from what the tests bound).
+LAUNCH_OPTIONS = {"enable_fp_fusion": True}

@@ -53,7 +53,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
 from . import cache_registry, direct_launch, env_settings
 from . import device as _device
 from .gpu_rules import feature_refusal
-from .kernel_common import arch_family, cdiv, family_in, fp8_device_refusal, next_pow2, sm_count
+from .kernel_common import LAUNCH_OPTIONS, arch_family, cdiv, family_in, fp8_device_refusal, next_pow2, sm_count
 
 if triton is not None:
     from .kernel_common import store_fp8_row, to_e4m3
@@ -601,7 +601,7 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block = next_pow2(k, 1) if one_pass else QUANT_LOOP_BLOCK
     warps = 8 if block >= 4096 else 4
     consts = dict(BLOCK_K=block, ONE_PASS=one_pass, EXACT_CAST=interpreter)
-    kernel = _quant_rows_fp8[(m,)](*args, **consts, num_warps=warps)
+    kernel = _quant_rows_fp8[(m,)](*args, **consts, num_warps=warps, **LAUNCH_OPTIONS)
     if key is not None:
         direct_launch.record(key, kernel, (m,), tuple(consts[n] for n in _QUANT_CONSTEXPRS), args, out_index=1)
     return y, s
@@ -710,7 +710,8 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: Fp8LinearWeight, bia
         consts["NUM_PROGRAMS"] = programs
         args = _gemm_args(tma, x_fp8, x_scale, w, bias_arg, out, blocks, act_from, act_out=act_out, tail=tail)
     consts.update(SPLIT_K=tail.split, RED_ROWS=tail_rows(tail.split, bm))
-    kernel = fn[(programs,)](*args, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    kernel = fn[(programs,)](*args, **consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                             **LAUNCH_OPTIONS)
     if key is not None and kernel is not None:
         # How to rebuild the arguments for the plan (descriptors are per call: new tensors).
         _gemm_layouts[key] = (tma, blocks, tail)

@@ -36,7 +36,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
     tl = None
 
 from . import device as _device
-from .kernel_common import arch_family, cdiv, family_in, sm_count
+from .kernel_common import LAUNCH_OPTIONS, arch_family, cdiv, family_in, sm_count
 from .linear_fp8 import epilogue_act, quantize_weight
 
 if triton is not None:
@@ -137,7 +137,7 @@ def run_linear(x2d: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         NUM_PROGRAMS=programs, EVEN_K=k % bk == 0, COMPUTE=_compute_dtype(x2d.dtype, interpreter),
         ACT=epilogue_act(int(act), x2d.device, out_dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH_OPTIONS)
     return out
 
 

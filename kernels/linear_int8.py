@@ -38,7 +38,7 @@ except Exception:  # the registry reports why; importing the pack must still wor
 
 from . import cache_registry
 from . import device as _device
-from .kernel_common import arch_family, cdiv, family_in, sm_count
+from .kernel_common import LAUNCH_OPTIONS, arch_family, cdiv, family_in, sm_count
 from .linear_fp8 import epilogue_act
 
 if triton is not None:
@@ -220,7 +220,7 @@ def quantize_activation(x2d: torch.Tensor, rotation: int) -> tuple[torch.Tensor,
     block_k = rotation or QUANT_PLAIN_BLOCK_K
     _quant_rows_int8[(cdiv(m, bm),)](
         x2d, y, s, m, k, x2d.stride(0), BLOCK_M=bm, BLOCK_K=block_k, ROTATE=bool(rotation),
-        LOG2_BLOCK=max(rotation, 1).bit_length() - 1, DOT_FP32=interpreter, num_warps=4)
+        LOG2_BLOCK=max(rotation, 1).bit_length() - 1, DOT_FP32=interpreter, num_warps=4, **LAUNCH_OPTIONS)
     return y, s
 
 
@@ -244,7 +244,7 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_
         x_q, weight, out, x_scale, w_scale, bias_arg, m, n, k, x_q.stride(0), weight.stride(0), out.stride(0),
         int(act_from), HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         NUM_PROGRAMS=programs, EVEN_K=k % bk == 0, ACT=epilogue_act(int(act), x_q.device, out_dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH_OPTIONS)
     return out
 
 

@@ -124,6 +124,48 @@ def _error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {pick}"[:400]
 
 
+def fp_fusion_pin(kernel, triton, ASTSource, GPUTarget, legacy) -> dict:
+    """Whether the launch options keep FP fusion on where Triton's default has it off.
+
+    One row kernel (LayerNorm + modulation: (x - mean) * rstd * (1 + scale) + shift) compiled
+    for sm_86 with TRITON_DEFAULT_FP_FUSION=0, what Triton 3.10 makes the default, without and
+    with kernel_common.LAUNCH_OPTIONS: the compiled enable_fp_fusion flag and the PTX's
+    fma.rn.f32 count of each. On releases that warn about that default (3.9), also whether
+    parsing each option set warns (the pinned set first: the warning fires once a process)."""
+    launch = kernel("kernel_common").LAUNCH_OPTIONS
+    fn, sig, constexprs, attrs, opts = kernel("layer_norm_modulate").compile_specs(dtype="bf16", channels=5120)[0]
+    target = GPUTarget("cuda", 86, 32)
+    out = {}
+    saved = os.environ.get("TRITON_DEFAULT_FP_FUSION")
+    try:
+        os.environ["TRITON_DEFAULT_FP_FUSION"] = "0"
+        for name, extra in (("unpinned", {}), ("pinned", launch)):
+            k = triton.compile(_source(ASTSource, fn, sig, constexprs, attrs, legacy), target=target,
+                               options=dict(num_warps=opts["num_warps"], num_stages=opts["num_stages"], **extra))
+            out[name] = {"flag": bool(getattr(k.metadata, "enable_fp_fusion", False)),
+                         "fma": k.asm["ptx"].count("fma.rn.f32")}
+        try:
+            from triton._utils import FP_FUSION_DEFAULT_WARNING as message  # 3.9+
+        except ImportError:  # older releases: no triton._utils, or no such warning in it
+            message = None
+        if message is not None:
+            import warnings
+            from triton.compiler.compiler import make_backend
+            del os.environ["TRITON_DEFAULT_FP_FUSION"]
+            backend = make_backend(target)
+            for name, extra in (("pinned", launch), ("unpinned", {})):
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    backend.parse_options(dict(num_warps=4, **extra))
+                out[name]["warned"] = any(str(w.message) == message for w in seen)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_DEFAULT_FP_FUSION", None)
+        else:
+            os.environ["TRITON_DEFAULT_FP_FUSION"] = saved
+    return out
+
+
 def main():
     t_import = time.time()
     kernel = load_pack()
@@ -225,6 +267,10 @@ def main():
             for fn, sig, constexprs, attrs, opts in kernel("cat_fp8_rows").compile_specs(dtype="bf16"):
                 build(name, "fused_norms_fp8_rows", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
                       (fn, sig, constexprs, attrs), opts, target)
+    try:
+        report["fp_fusion"] = fp_fusion_pin(kernel, triton, ASTSource, GPUTarget, legacy)
+    except Exception as e:
+        report["fp_fusion"] = {"error": _error_line(e)}
     print("RESULT " + json.dumps(report), flush=True)
 
 

@@ -13,6 +13,8 @@ What is asserted, per release:
   (Turing after 3.2, Blackwell before 3.3) gets our PyTorch fallback with a reason;
 - FP8 dots are refused below sm_89 by Triton and by the registry, and compile on sm_89+;
 - gpu_rules.FEATURE_MIN_TRITON agrees with the release's real API;
+- our launch options keep FP fusion on under TRITON_DEFAULT_FP_FUSION=0 (Triton 3.10's
+  default) and silence 3.9's warning about it;
 - the interpreter cases (fp16/fp32, masks, GQA, causal, odd lengths, the short-key and FP8
   kernels) match the float32 reference within child_interp.py's tolerances.
 """
@@ -189,6 +191,23 @@ def test_feature_table_matches_the_release_api(matrix, minor):
             f"{feature}: Triton {report['triton']} {'has' if present else 'lacks'} it, but FEATURE_MIN_TRITON "
             f"says {gpu_rules.FEATURE_MIN_TRITON[feature]}")
     assert set(report["features"]) == set(gpu_rules.FEATURE_MIN_TRITON)
+
+
+@pytest.mark.parametrize("minor", VERSIONS)
+def test_launch_options_keep_fp_fusion_where_the_default_turns_it_off(matrix, minor):
+    """Triton 3.9 warns that its FP-fusion default turns off in 3.10, and every release turns
+    it off under TRITON_DEFAULT_FP_FUSION=0. Our launches pass kernel_common.LAUNCH_OPTIONS
+    (tests/kernels/test_launch_options.py checks each launch does): with them a kernel keeps
+    its FMAs under that default on this release, without them it loses them."""
+    report = _compile_report(matrix, minor)
+    fusion = report["fp_fusion"]
+    assert "error" not in fusion, fusion["error"]
+    assert fusion["unpinned"] == dict(fusion["unpinned"], flag=False, fma=0), fusion  # the default bites
+    assert fusion["pinned"]["flag"] and fusion["pinned"]["fma"] >= 16, fusion
+    if minor == "3.9":
+        assert "warned" in fusion["pinned"], f"the 3.9 warning was not looked for: {fusion}"
+    if "warned" in fusion["pinned"]:  # releases with the warning about 3.10's default
+        assert fusion["unpinned"]["warned"] and not fusion["pinned"]["warned"], fusion
 
 
 @pytest.mark.parametrize("minor", VERSIONS)
