@@ -60,6 +60,8 @@ def parse():
     ap.add_argument("--unpinned", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--sections", default="attention,small,linear,rows",
+                    help="which of attention (model shapes), small (odd shapes), linear, rows to run")
     ap.add_argument("--compare", nargs="+", help="print the side-by-side table of these JSON files")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="the whole script on the CPU under the interpreter at tiny sizes (checks the script)")
@@ -159,8 +161,9 @@ def run():
         sync()
         return out, ",".join(sorted(n for n, c in K.stats.counts().items() if c))
 
+    sections = set(ARGS.sections.split(","))
     # 1. model shapes
-    for name, shape in BIG.items():
+    for name, shape in (BIG if "attention" in sections else {}).items():
         flops = 4 * shape[0] * shape[1] * shape[2] ** 2 * shape[3]
         for kind in ("outlier", "gauss"):
             q, k, v = full.accuracy_inputs(kind, shape, torch.bfloat16, DEVICE, seed=3)
@@ -191,7 +194,7 @@ def run():
             sync()
 
     # 2. small odd shapes
-    for name, B, H, Hk, Lq, Lk, D, layout in SMALL:
+    for name, B, H, Hk, Lq, Lk, D, layout in (SMALL if "small" in sections else []):
         gen = torch.Generator(device=DEVICE).manual_seed(Lq + Lk + D)
 
         def make(h, n):
@@ -214,7 +217,7 @@ def run():
                 result["failures"].append(f"attention_small {name} {path}: {r}")
 
     # 3. Linear
-    for name, M, Kd, N in LINEAR:
+    for name, M, Kd, N in (LINEAR if "linear" in sections else []):
         gen = torch.Generator(device=DEVICE).manual_seed(M + N)
         x = torch.randn(M, Kd, device=DEVICE, generator=gen)
         x[:, torch.randperm(Kd, device=DEVICE, generator=gen)[:8]] *= 30.0
@@ -263,7 +266,7 @@ def run():
         "cat_fp8_rows_flux": (lambda: (lambda r: r[1][0].float() * r[1][1].view(-1, 1))(cat.cat_fp8_rows(a, bb)),
                               lambda: torch.cat([a, bb], dim=1).float()),
     }
-    for name, (fn, ref_fn) in cases.items():
+    for name, (fn, ref_fn) in (cases.items() if "rows" in sections else ()):
         def one(fn=fn, ref_fn=ref_fn, name=name):
             m = metrics(fn(), ref_fn())
             tol = 0.05 if name.startswith("cat_fp8") else ROW_TOL  # e4m3 rows: 3 mantissa bits
