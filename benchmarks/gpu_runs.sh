@@ -103,6 +103,8 @@
 #   bash benchmarks/gpu_runs.sh s45         Triton 3.9 on the GPU (carry .carry/triton-3.9.0.tar.xz, made by
 #                                           benchmarks/carry_triton.sh 3.9.0): triton_release_check.py (every kernel
 #                                           family, accuracy and speed), then gpu_check.py under it
+#   bash benchmarks/gpu_runs.sh s45c        s45 and s45b in one call, the machine's release and the unpinned run on the
+#                                           timed sections only, gpu_check.py last (machines were scarce)
 #   bash benchmarks/gpu_runs.sh s45b        the machine's own Triton on triton_release_check.py, then again with FP
 #                                           fusion left to TRITON_DEFAULT_FP_FUSION=0 (Triton 3.10's default);
 #                                           compare with triton_release_check.py --compare
@@ -432,7 +434,20 @@ s45b)  # the machine's own Triton on the same checks, then with FP fusion left t
     timeout 300 python3 benchmarks/triton_release_check.py --tag unpinned --unpinned --sections attention,linear,rows \
       --out $R > $R/release_unpinned.txt 2>&1
     echo "rc $?"; tail -45 $R/release_unpinned.txt ;;
+s45c)  # s45 and s45b in one call (<= 590 s): 3.9 everything; own release and unpinned on the timed sections
+    python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')" || exit 1
+    t39() { PYTHONPATH=/tmp/t39 TRITON_CACHE_DIR=/tmp/tc39 "$@"; }
+    t39 python3 -c "import triton; print('carried', triton.__version__, triton.__file__)"
+    t39 timeout 230 python3 benchmarks/triton_release_check.py --out $R > $R/release_39.txt 2>&1; echo "rc $?"
+    timeout 140 python3 benchmarks/triton_release_check.py --sections attention,linear,rows --out $R \
+      > $R/release_own.txt 2>&1; echo "rc $?"
+    timeout 120 python3 benchmarks/triton_release_check.py --tag unpinned --unpinned --sections attention,linear \
+      --out $R > $R/release_unpinned.txt 2>&1; echo "rc $?"
+    python3 benchmarks/triton_release_check.py --compare $R/release_3.*.json $R/release_unpinned.json > $R/compare.txt 2>&1
+    cat $R/compare.txt
+    t39 timeout 80 python3 benchmarks/gpu_check.py --jobs 14 > $R/gpu_check_39.txt 2>&1; echo "rc $?"
+    tail -3 $R/gpu_check_39.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c, s44a, s44b, s45, s45b"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c, s44a, s44b, s45, s45b, s45c"; exit 2 ;;
 esac
