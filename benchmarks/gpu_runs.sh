@@ -438,14 +438,14 @@ s45c)  # s45 and s45b in one call (<= 590 s): 3.9 everything; own release and un
     python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')" || exit 1
     t39() { PYTHONPATH=/tmp/t39 TRITON_CACHE_DIR=/tmp/tc39 "$@"; }
     t39 python3 -c "import triton; print('carried', triton.__version__, triton.__file__)"
-    t39 timeout 230 python3 benchmarks/triton_release_check.py --out $R > $R/release_39.txt 2>&1; echo "rc $?"
-    timeout 140 python3 benchmarks/triton_release_check.py --sections attention,linear,rows --out $R \
+    t39 timeout 200 python3 benchmarks/triton_release_check.py --out $R > $R/release_39.txt 2>&1; echo "rc $?"
+    timeout 120 python3 benchmarks/triton_release_check.py --sections attention,linear,rows --out $R \
       > $R/release_own.txt 2>&1; echo "rc $?"
-    timeout 120 python3 benchmarks/triton_release_check.py --tag unpinned --unpinned --sections attention,linear \
+    timeout 100 python3 benchmarks/triton_release_check.py --tag unpinned --unpinned --sections attention,linear \
       --out $R > $R/release_unpinned.txt 2>&1; echo "rc $?"
     python3 benchmarks/triton_release_check.py --compare $R/release_3.*.json $R/release_unpinned.json > $R/compare.txt 2>&1
     cat $R/compare.txt
-    t39 timeout 80 python3 benchmarks/gpu_check.py --jobs 14 > $R/gpu_check_39.txt 2>&1; echo "rc $?"
+    t39 timeout 60 python3 benchmarks/gpu_check.py --jobs 14 > $R/gpu_check_39.txt 2>&1; echo "rc $?"
     tail -3 $R/gpu_check_39.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
