@@ -3,7 +3,7 @@
 # tree), built for the device's Python (3.12 there; the wheels are per CPython version up to
 # 3.9's cp312-abi3, and a cp311 libtriton.so segfaults on import under 3.12): the wheel from the
 # package registry, its NVIDIA backend only (no AMD code generator, no CUPTI, no profiler, no
-# Blackwell ptxas, no cuobjdump / nvdisasm: the lent cards are Hopper), libtriton.so without
+# cuobjdump / nvdisasm, one ptxas: the lent cards are Hopper), libtriton.so without
 # its debug sections, xz. Triton 3.9.0: 286 MB wheel -> ~51 MB. Unpack there with
 #   python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')"
 # and put /tmp/t39 first on PYTHONPATH (benchmarks/gpu_runs.sh s45).
@@ -21,9 +21,12 @@ trap 'rm -rf "$stage"' EXIT
 "$python" -m zipfile -e "$stage"/wheel/triton-*.whl "$stage/tree"
 cd "$stage/tree"
 rm -rf triton/backends/amd/lib/libtriton_amd_codegen.so triton/backends/nvidia/lib/cupti* triton/_C/libproton.so \
-    triton/instrumentation/*.so triton/backends/nvidia/bin/ptxas-blackwell triton/backends/nvidia/bin/cuobjdump \
-    triton/backends/nvidia/bin/nvdisasm
-chmod +x triton/backends/nvidia/bin/ptxas
+    triton/instrumentation/*.so triton/backends/nvidia/bin/cuobjdump triton/backends/nvidia/bin/nvdisasm
+# Releases with a second ptxas (3.9: ptxas-blackwell, CUDA 13.4) compile sm_90 and newer with
+# it, and the first (12.9) only below sm_90: keep the one a Hopper card uses, the other a link.
+bin=triton/backends/nvidia/bin
+if [ -f $bin/ptxas-blackwell ]; then rm $bin/ptxas; ln -s ptxas-blackwell $bin/ptxas; fi
+chmod +x $bin/ptxas*
 strip --strip-unneeded triton/_C/libtriton.so
 cd - >/dev/null
 mkdir -p .carry
