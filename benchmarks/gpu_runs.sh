@@ -448,7 +448,7 @@ s45e)  # s45d in under 300 s: the FP8 Gluon kernel (lean, and sm90 without the l
     t39 timeout 110 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux --bf16-shapes "" \
       --configs sm90_lean,sm90 --rep 20 --acc-heads 1 --small 1 --out $R > $R/gluon_39.txt 2>&1; echo "rc $?"
     grep -A30 "== accuracy" $R/gluon_39.txt | head -40
-    t39 timeout 150 python3 benchmarks/triton_release_check.py --sections attention,linear --out $R > $R/release_39.txt 2>&1
+    t39 timeout 120 python3 benchmarks/triton_release_check.py --sections attention --out $R > $R/release_39.txt 2>&1
     echo "rc $?"; grep -v "^{" $R/release_39.txt | grep -v "nanobind\| - leaked\|^See" | tail -30 ;;
 s45b)  # the machine's own Triton on the same checks, then with FP fusion left to TRITON_DEFAULT_FP_FUSION=0
     timeout 250 python3 benchmarks/triton_release_check.py --out $R > $R/release_own.txt 2>&1; echo "rc $?"

@@ -38,7 +38,7 @@ from . import cache_registry, env_settings
 from . import device as _device
 from .attention_fp8_quant import N_OUTLIER, padded_head_dim, quantize_qkv
 from .kernel_common import LAUNCH_OPTIONS, sm_count
-from .gpu_rules import GLUON_CAPABILITY, feature_refusal
+from .gpu_rules import GLUON_CAPABILITY, feature_refusal, gluon_release_refusal
 
 log = logging.getLogger("triton_accel.kernels.attention_gluon_hopper")  # not __name__: the clone's folder name
 
@@ -290,10 +290,10 @@ def api_gaps(version: str | None, gl_module, hopper_module) -> str | None:
 cache_registry.register("kernels.attention_gluon_hopper.api_refusal", _api_refusal_for.cache_clear)
 
 
-def gluon_refusal(device) -> str | None:
-    """Why the Gluon kernel cannot run on `device` (a torch.device or string), or None: only
-    NVIDIA sm_90 (H100 / H200 / H20; wgmma and setmaxnreg are sm_90a instructions, absent on
-    sm_100 and sm_120) with a Triton whose Gluon has everything used here."""
+def gluon_refusal(device, kernel: str = "fp8") -> str | None:
+    """Why the Gluon `kernel` ("fp8" here, "bf16" attention_gluon_hopper_bf16's) cannot run on
+    `device`, or None: only NVIDIA sm_90 (wgmma and setmaxnreg are sm_90a instructions) with a
+    Triton whose Gluon has all used here, on which that kernel ran right on a GPU (_release_refusal)."""
     reason = gluon_api_refusal()
     if reason:
         return reason
@@ -306,7 +306,7 @@ def gluon_refusal(device) -> str | None:
     if info.capability != GLUON_CAPABILITY:
         major, minor = info.capability or (0, 0)
         return f"the Gluon Hopper kernel uses sm_90a's wgmma and setmaxnreg; {info.name} is sm_{major}{minor}"
-    return None
+    return _release_refusal(kernel)
 
 
 def call_refusal(q, k, v, attn_mask=None, is_causal=False) -> str | None:
@@ -1081,3 +1081,12 @@ def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OU
 __all__ = ["attention_gluon_fp8", "attention_gluon_fp8_quantized", "gluon_refusal", "gluon_api_refusal",
            "api_gaps", "call_refusal", "compile_specs", "default_config", "GluonUnsupportedError", "GLUON_CONFIGS",
            "MAX_HEAD_DIM", "BLOCK_M", "loop_options", "p_relabel", "P_RELABEL_ORDER", "quantize_for_config"]
+
+
+# At the end of the file: a line added above the @gluon.jit kernels would move their line
+# numbers, which are part of their cache keys (every user would recompile them).
+def _release_refusal(kernel: str) -> str | None:
+    """gpu_rules.gluon_release_refusal's reason for the installed Triton: the Gluon kernels run
+    only on the minors where they were checked on a GPU (GLUON_GPU_VERIFIED)."""
+    rule = gluon_release_refusal(kernel, _device.triton_version())
+    return rule.reason if rule is not None else None

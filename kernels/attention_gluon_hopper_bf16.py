@@ -97,8 +97,8 @@ def default_config(head_dim: int) -> dict:
 
 def gluon_bf16_refusal(device) -> str | None:
     """Why the BF16 Gluon kernel cannot run on `device`, or None: NVIDIA sm_90 with a Triton
-    whose Gluon has every name used (the FP8 kernel's rule: both kernels use the same API)."""
-    return gluon_refusal(device)
+    whose Gluon has every name used and on which this kernel ran right on a GPU (the FP8 kernel's rule)."""
+    return gluon_refusal(device, "bf16")
 
 
 def _stride_refusal(name: str, t: torch.Tensor) -> str | None:

@@ -43,6 +43,8 @@ def test_device_refusal(monkeypatch, name):
     if not _api_ok():
         pytest.skip(f"installed Triton refused first: {glu.gluon_api_refusal()}")
     monkeypatch.setattr(device_mod, "describe", lambda device=None: info)
+    # A Triton minor the kernel was checked on (the release rule: test_gluon_release_gate.py).
+    monkeypatch.setattr(device_mod, "triton_version", lambda: "3.6.0")
     reason = glb.gluon_bf16_refusal(torch.device("cuda", 0))
     if words is None:
         assert reason is None
