@@ -109,6 +109,7 @@
 #                                           family, then the Gluon FP8 kernel's loop options one by one (accuracy)
 #   bash benchmarks/gpu_runs.sh s45e        s45d cut to ~300 s: lean and sm90 (no loop options) at Flux and the small shapes,
 #                                           then the attention and Linear sections under 3.9
+#   bash benchmarks/gpu_runs.sh s45f        the least of s45d: lean and sm90 (and BF16) at Flux and the small shapes under 3.9
 #   bash benchmarks/gpu_runs.sh s45b        the machine's own Triton on triton_release_check.py, then again with FP
 #                                           fusion left to TRITON_DEFAULT_FP_FUSION=0 (Triton 3.10's default);
 #                                           compare with triton_release_check.py --compare
@@ -450,6 +451,11 @@ s45e)  # s45d in under 300 s: the FP8 Gluon kernel (lean, and sm90 without the l
     grep -A30 "== accuracy" $R/gluon_39.txt | head -40
     t39 timeout 120 python3 benchmarks/triton_release_check.py --sections attention --out $R > $R/release_39.txt 2>&1
     echo "rc $?"; grep -v "^{" $R/release_39.txt | grep -v "nanobind\| - leaked\|^See" | tail -30 ;;
+s45f)  # the least device time: under Triton 3.9 (own ptxas), lean and sm90 at Flux and the small shapes, accuracy
+    python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')" || exit 1
+    PYTHONPATH=/tmp/t39 TRITON_CACHE_DIR=/tmp/tc39 timeout 150 python3 benchmarks/gluon_attention_bench.py --lite \
+      --shapes flux --bf16-shapes flux --configs sm90_lean,sm90 --rep 20 --acc-heads 1 --small 1 --out $R \
+      > $R/gluon_39.txt 2>&1; echo "rc $?"; grep -A30 "== accuracy" $R/gluon_39.txt | head -40 ;;
 s45b)  # the machine's own Triton on the same checks, then with FP fusion left to TRITON_DEFAULT_FP_FUSION=0
     timeout 250 python3 benchmarks/triton_release_check.py --out $R > $R/release_own.txt 2>&1; echo "rc $?"
     tail -45 $R/release_own.txt
@@ -471,5 +477,5 @@ s45c)  # s45 and s45b in one call (<= 590 s): 3.9 everything; own release and un
     tail -3 $R/gpu_check_39.txt ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c, s44a, s44b, s45, s45b, s45c, s45d, s45e"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c, s44a, s44b, s45, s45b, s45c, s45d, s45e, s45f"; exit 2 ;;
 esac
