@@ -44,9 +44,11 @@ SMALL = [("odd_d64", 1, 3, 3, 1000, 777, 64, "bhld"), ("gqa_d128", 1, 8, 2, 500,
 # rel. L2 against float32 per path on Gaussian inputs: BF16 rounding of P and the output for
 # the 16-bit path (SDPA itself: ~2.3e-3), issue 11's Gaussian bar for the quantized ones.
 SMALL_TOL = {"bf16": 8e-3, "fp8": 0.06, "int8": 0.06}
-# Issue 11's outlier-input bar (cos >=, rel. L2 <=) for the quantized paths; the 16-bit path
-# is held to its Gaussian tolerance there too.
-BIG_TOL = {"bf16": (0.9999, 8e-3), "fp8": (0.9995, 0.03), "int8": (0.9995, 0.035)}
+# Issue 11's bars (cos >=, rel. L2 <=) per input kind for the quantized paths (INT8 at the
+# outlier inputs: 0.031-0.033 measured, session 18); the 16-bit path is held to its small-shape
+# tolerance on both.
+BIG_TOL = {"outlier": {"bf16": (0.9999, 8e-3), "fp8": (0.9995, 0.03), "int8": (0.9995, 0.035)},
+           "gauss": {"bf16": (0.9999, 8e-3), "fp8": (0.998, 0.06), "int8": (0.998, 0.06)}}
 # (name, M, K, N): Flux's fused QKV projection of its image tokens, Wan's attention output.
 LINEAR = [("flux_qkv", 4608, 3072, 9216), ("wan_o", 32760, 5120, 5120)]
 # rel. L2 against BF16 F.linear on outlier activations (e4m3 / int8 rounding of both operands).
@@ -172,8 +174,8 @@ def run():
                 def one(path=path):
                     out, kernel = served(path, q, k, v)
                     m = metrics(out[:, :1], ref)
-                    cos_min, rel_max = BIG_TOL[path]
-                    ok = kind == "gauss" or (m["cos"] >= cos_min and m["rel_l2"] <= rel_max)
+                    cos_min, rel_max = BIG_TOL[kind][path]
+                    ok = m["cos"] >= cos_min and m["rel_l2"] <= rel_max
                     ms = bench(lambda: K.attention(q, k, v, **paths[path])) if kind == "outlier" else None
                     return dict(kernel=kernel, ok=bool(ok), ms=ms, tflops=flops / ms / 1e9 if ms else None, **m)
                 r = guarded(one)
