@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _accuracy import metrics, reference  # noqa: E402
 from _load import load_pack  # noqa: E402
 
 pack = load_pack()
@@ -62,24 +63,6 @@ BF16_SMALL = [(1, 2, 1000, 1000, 128, 2, "bhld"), (2, 3, 77, 77, 64, 3, "bhld"),
               (1, 2, 333, 4097, 256, 2, "bhld"), (1, 8, 500, 700, 128, 2, "bhld"), (2, 4, 129, 65, 128, 4, "blhd"),
               (1, 1, 1, 1, 128, 1, "bhld"), (1, 4, 1024, 77, 80, 4, "blhd")]
 TARGET = dict(outlier=(0.9995, 0.03), gauss=(0.998, 0.06))  # (cosine >=, rel L2 <=)
-
-
-def metrics(out, ref):
-    o, r = out.float().flatten(), ref.float().flatten()
-    if not torch.isfinite(o).all():
-        return dict(cos=float("nan"), rel_l2=float("nan"))
-    return dict(cos=torch.nn.functional.cosine_similarity(o, r, dim=0).item(),
-                rel_l2=((o - r).norm() / r.norm()).item())
-
-
-def reference(q, k, v, chunk=4096):
-    """fp32 softmax(q k^T / sqrt(d)) v in query chunks (a Wan head's scores are 4.3 GB)."""
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    kt, vf, scale = k.float().transpose(-1, -2), v.float(), q.shape[-1] ** -0.5
-    for i in range(0, q.shape[-2], chunk):
-        p = torch.softmax(torch.matmul(q[..., i:i + chunk, :].float(), kt) * scale, dim=-1)
-        out[..., i:i + chunk, :] = torch.matmul(p, vf)
-    return out
 
 
 def gluon_facts():

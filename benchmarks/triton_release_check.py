@@ -87,32 +87,13 @@ DEVICE = "cpu" if ARGS.cpu_dry_run else "cuda"
 import torch  # noqa: E402
 
 sys.path.insert(0, str(HERE))
+from _accuracy import metrics, reference  # noqa: E402
 
 
 def sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-
-
-def metrics(out, ref):
-    o, r = out.float().flatten(), ref.float().flatten()
-    if not torch.isfinite(o).all():
-        return dict(cos=float("nan"), rel_l2=float("nan"))
-    return dict(cos=torch.nn.functional.cosine_similarity(o, r, dim=0).item(),
-                rel_l2=((o - r).norm() / r.norm().clamp_min(1e-30)).item())
-
-
-def reference(q, k, v, chunk=4096):
-    """float32 softmax(q k^T / sqrt(d)) v in query chunks (a Wan head's scores are 4.3 GB)."""
-    if k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    kt, vf, scale = k.float().transpose(-1, -2), v.float(), q.shape[-1] ** -0.5
-    for i in range(0, q.shape[-2], chunk):
-        p = torch.softmax(torch.matmul(q[..., i:i + chunk, :].float(), kt) * scale, dim=-1)
-        out[..., i:i + chunk, :] = torch.matmul(p, vf)
-    return out
 
 
 def bench(fn):
