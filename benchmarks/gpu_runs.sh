@@ -100,19 +100,14 @@
 #                                           the quantisation's device time per kernel (fp8_quant_bench.py --sweep)
 #   bash benchmarks/gpu_runs.sh s44b        FP8 kernel at Flux and Wan with and without its outlier side operands (@n0), lean
 #                                           timed again last for the run's drift; accuracy at the benchmark shapes
-#   bash benchmarks/gpu_runs.sh s45         Triton 3.9 on the GPU (carry .carry/triton-3.9.0.tar.xz, made by
-#                                           benchmarks/carry_triton.sh 3.9.0): triton_release_check.py (every kernel
-#                                           family, accuracy and speed), then gpu_check.py under it
-#   bash benchmarks/gpu_runs.sh s45c        s45 and s45b in one call, the machine's release and the unpinned run on the
-#                                           timed sections only, gpu_check.py last (machines were scarce)
-#   bash benchmarks/gpu_runs.sh s45d        Triton 3.9 with its own Hopper ptxas (CUDA 13.4, ptxas-blackwell): every kernel
-#                                           family, then the Gluon FP8 kernel's loop options one by one (accuracy)
-#   bash benchmarks/gpu_runs.sh s45e        s45d cut to ~300 s: lean and sm90 (no loop options) at Flux and the small shapes,
-#                                           then the attention and Linear sections under 3.9
-#   bash benchmarks/gpu_runs.sh s45f        the least of s45d: lean and sm90 (and BF16) at Flux and the small shapes under 3.9
-#   bash benchmarks/gpu_runs.sh s45b        the machine's own Triton on triton_release_check.py, then again with FP
-#                                           fusion left to TRITON_DEFAULT_FP_FUSION=0 (Triton 3.10's default);
-#                                           compare with triton_release_check.py --compare
+#   bash benchmarks/gpu_runs.sh s45c        (ran in session 45) Triton 3.9 (carry .carry/triton-3.9.0.tar.xz, made by
+#                                           benchmarks/carry_triton.sh 3.9.0): triton_release_check.py; the machine's
+#                                           release on its timed sections, then again with FP fusion left to
+#                                           TRITON_DEFAULT_FP_FUSION=0 (Triton 3.10's default); gpu_check.py under 3.9
+#   bash benchmarks/gpu_runs.sh s45d        Triton 3.9 (carried, with its CUDA 13.4 Hopper ptxas): every kernel family,
+#                                           then the Gluon FP8 kernel's loop options one by one (accuracy)
+#   bash benchmarks/gpu_runs.sh s45f        the least of s45d (~150 s): lean and sm90 (and BF16) at Flux and the small
+#                                           shapes under 3.9
 # Carry .whl, .ext/comfy-slim and .cache/ck/ck-0.2.40-cuda.zip (RESULTS.md, session 28). Each e2e
 # stage's files come back as one tarball (at most 8 files come back per call).
 export PYTHONUNBUFFERED=1; set -o pipefail
@@ -123,6 +118,13 @@ e2e() {  # name timeout e2e_comfyui.py args...
     OUT=/tmp/$n CK_ZIP=$CK FP8_TIMEOUT=1 E2E_TIMEOUT=$t bash benchmarks/gpu_e2e.sh --fresh-process "$@" > /tmp/$n/run.log 2>&1
     grep -v "^\s*File\|^    \|UserWarning\|_warn_once" /tmp/$n/run.log | grep "^\[\|^model\|^wan\|^flux\|Error\|FAIL" | tail -40
     tar czf $R/$n.tgz -C /tmp $n
+}
+# Triton 3.9 from the carried package (benchmarks/carry_triton.sh) first on the path, with its own kernel cache.
+t39() { PYTHONPATH=/tmp/t39 TRITON_CACHE_DIR=/tmp/tc39 "$@"; }
+carried_39() {
+    python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')" || return 1
+    t39 python3 -c "import triton; print('carried', triton.__version__, triton.__file__)"
+    t39 /tmp/t39/triton/backends/nvidia/bin/ptxas --version | tail -1
 }
 case $1 in
 norms)
@@ -425,47 +427,8 @@ s44b)  # what the outlier side operands cost: lean, lean without them, lean agai
     timeout 240 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux,wan --bf16-shapes "" \
       --configs sm90_lean,sm90_lean@n0,sm90_lean@n16 --rep 100 --acc-heads 1 --small 0 --out $R > $R/gluon.txt 2>&1
     echo "rc $?"; grep -A60 "== accuracy" $R/gluon.txt ;;
-s45)  # Triton 3.9 (carried) on every kernel family, then the flash kernel's correctness matrix under it
-    python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')" || exit 1
-    t39() { PYTHONPATH=/tmp/t39 TRITON_CACHE_DIR=/tmp/tc39 "$@"; }
-    t39 python3 -c "import triton; print('carried', triton.__version__, triton.__file__)"
-    t39 timeout 380 python3 benchmarks/triton_release_check.py --out $R > $R/release_39.txt 2>&1; echo "rc $?"
-    tail -45 $R/release_39.txt
-    t39 timeout 150 python3 benchmarks/gpu_check.py --jobs 12 > $R/gpu_check_39.txt 2>&1; echo "rc $?"
-    tail -4 $R/gpu_check_39.txt ;;
-s45d)  # Triton 3.9 with its own Hopper ptxas (13.4): every kernel family; then the Gluon FP8 loop options one by one
-    python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')" || exit 1
-    t39() { PYTHONPATH=/tmp/t39 TRITON_CACHE_DIR=/tmp/tc39 "$@"; }
-    t39 /tmp/t39/triton/backends/nvidia/bin/ptxas --version | tail -1
-    t39 timeout 190 python3 benchmarks/triton_release_check.py --out $R > $R/release_39.txt 2>&1; echo "rc $?"
-    grep -v "^{" $R/release_39.txt | grep -v "nanobind\| - leaked\|^See" | tail -40
-    t39 timeout 150 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux --bf16-shapes "" \
-      --configs sm90_lean,sm90,sm90_permp --rep 30 --acc-heads 1 --small 1 --out $R \
-      > $R/gluon_39.txt 2>&1; echo "rc $?"; grep -A40 "== accuracy" $R/gluon_39.txt | head -60 ;;
-s45e)  # s45d in under 300 s: the FP8 Gluon kernel (lean, and sm90 without the loop options) first, then the timed sections
-    python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')" || exit 1
-    t39() { PYTHONPATH=/tmp/t39 TRITON_CACHE_DIR=/tmp/tc39 "$@"; }
-    t39 /tmp/t39/triton/backends/nvidia/bin/ptxas --version | tail -1
-    t39 timeout 110 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux --bf16-shapes "" \
-      --configs sm90_lean,sm90 --rep 20 --acc-heads 1 --small 1 --out $R > $R/gluon_39.txt 2>&1; echo "rc $?"
-    grep -A30 "== accuracy" $R/gluon_39.txt | head -40
-    t39 timeout 120 python3 benchmarks/triton_release_check.py --sections attention --out $R > $R/release_39.txt 2>&1
-    echo "rc $?"; grep -v "^{" $R/release_39.txt | grep -v "nanobind\| - leaked\|^See" | tail -30 ;;
-s45f)  # the least device time: under Triton 3.9 (own ptxas), lean and sm90 at Flux and the small shapes, accuracy
-    python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')" || exit 1
-    PYTHONPATH=/tmp/t39 TRITON_CACHE_DIR=/tmp/tc39 timeout 150 python3 benchmarks/gluon_attention_bench.py --lite \
-      --shapes flux --bf16-shapes flux --configs sm90_lean,sm90 --rep 20 --acc-heads 1 --small 1 --out $R \
-      > $R/gluon_39.txt 2>&1; echo "rc $?"; grep -A30 "== accuracy" $R/gluon_39.txt | head -40 ;;
-s45b)  # the machine's own Triton on the same checks, then with FP fusion left to TRITON_DEFAULT_FP_FUSION=0
-    timeout 250 python3 benchmarks/triton_release_check.py --out $R > $R/release_own.txt 2>&1; echo "rc $?"
-    tail -45 $R/release_own.txt
-    timeout 300 python3 benchmarks/triton_release_check.py --tag unpinned --unpinned --sections attention,linear,rows \
-      --out $R > $R/release_unpinned.txt 2>&1
-    echo "rc $?"; tail -45 $R/release_unpinned.txt ;;
-s45c)  # s45 and s45b in one call (<= 590 s): 3.9 everything; own release and unpinned on the timed sections
-    python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')" || exit 1
-    t39() { PYTHONPATH=/tmp/t39 TRITON_CACHE_DIR=/tmp/tc39 "$@"; }
-    t39 python3 -c "import triton; print('carried', triton.__version__, triton.__file__)"
+s45c)  # Triton 3.9 everything; the machine's release and unpinned on the timed sections; gpu_check.py under 3.9
+    carried_39 || exit 1
     t39 timeout 200 python3 benchmarks/triton_release_check.py --out $R > $R/release_39.txt 2>&1; echo "rc $?"
     timeout 120 python3 benchmarks/triton_release_check.py --sections attention,linear,rows --out $R \
       > $R/release_own.txt 2>&1; echo "rc $?"
@@ -475,7 +438,19 @@ s45c)  # s45 and s45b in one call (<= 590 s): 3.9 everything; own release and un
     cat $R/compare.txt
     t39 timeout 60 python3 benchmarks/gpu_check.py --jobs 14 > $R/gpu_check_39.txt 2>&1; echo "rc $?"
     tail -3 $R/gpu_check_39.txt ;;
+s45d)  # Triton 3.9 with its own Hopper ptxas (13.4): every kernel family; then the Gluon FP8 loop options one by one
+    carried_39 || exit 1
+    t39 timeout 190 python3 benchmarks/triton_release_check.py --out $R > $R/release_39.txt 2>&1; echo "rc $?"
+    grep -v "^{" $R/release_39.txt | grep -v "nanobind\| - leaked\|^See" | tail -40
+    t39 timeout 150 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux --bf16-shapes "" \
+      --configs sm90_lean,sm90,sm90_permp --rep 30 --acc-heads 1 --small 1 --out $R \
+      > $R/gluon_39.txt 2>&1; echo "rc $?"; grep -A40 "== accuracy" $R/gluon_39.txt | head -60 ;;
+s45f)  # the least device time: under Triton 3.9 (own ptxas), lean and sm90 at Flux and the small shapes, accuracy
+    carried_39 || exit 1
+    t39 timeout 150 python3 benchmarks/gluon_attention_bench.py --lite --shapes flux --bf16-shapes flux \
+      --configs sm90_lean,sm90 --rep 20 --acc-heads 1 --small 1 --out $R \
+      > $R/gluon_39.txt 2>&1; echo "rc $?"; grep -A30 "== accuracy" $R/gluon_39.txt | head -40 ;;
 s35w)
     e2e e2e_wan35 380 --models wan --variants default ours-all comfy-fp8-fast --steps 3 ;;
-*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c, s44a, s44b, s45, s45b, s45c, s45d, s45e, s45f"; exit 2 ;;
+*)  echo "stage: norms, norms-abba, lean, s31, s32, s32b, s32c, s32d, s32e, s33, s33c-s33g, s34, s34b, s35, s35g, s35h, s35j, s35k, s35w, s36, s36h, s36m, s36w, s37, s37b, s37c, s37h, s37l, s38a, s38b, s38c, s38d, s39a, s39b, s39c, s39d, s39e, s39f, s39g, s41, s41a, s41c, s41d, s42a, s42b, s42e, s43a, s43b, s43c, s44a, s44b, s45c, s45d, s45f"; exit 2 ;;
 esac

@@ -31,6 +31,7 @@ Rules, each with a code the callers compare (never the message text):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Dict, FrozenSet, Optional, Tuple
 
 # ---- path names: one spelling everywhere (nodes, install.py's report, stats) --------------
@@ -538,25 +539,16 @@ GLUON_GPU_VERIFIED: Dict[str, Tuple[Tuple[int, int], ...]] = {
     "fp8": ((3, 6),),
     "bf16": ((3, 6),),
 }
-# (kernel, minor) -> what was measured where it ran and was wrong.
-GLUON_GPU_WRONG: Dict[Tuple[str, Tuple[int, int]], str] = {}
-GLUON_KERNEL_LABEL = {"fp8": "FP8", "bf16": "BF16"}
 
 
+@lru_cache(maxsize=None)  # asked on every Gluon call: one answer per (kernel, installed version)
 def gluon_release_refusal(kernel: str, triton_version: Optional[str]) -> Optional[Rule]:
     """Why the Gluon `kernel` ("fp8" / "bf16") does not run with this Triton, or None."""
-    minor = version_tuple(triton_version)[:2]
-    if minor in GLUON_GPU_VERIFIED[kernel]:
+    if version_tuple(triton_version)[:2] in GLUON_GPU_VERIFIED[kernel]:
         return None
-    label = GLUON_KERNEL_LABEL[kernel]
-    wrong = GLUON_GPU_WRONG.get((kernel, minor))
-    if wrong is not None:
-        return Rule("GLUON_WRONG_ON_TRITON",
-                    f"the Gluon {label} attention kernel computes wrong output with Triton {triton_version} "
-                    f"({wrong}); the plain-Triton kernels serve instead")
     verified = ", ".join(f"{a}.{b}" for a, b in GLUON_GPU_VERIFIED[kernel])
     return Rule("GLUON_NOT_RUN_ON_TRITON",
-                f"the Gluon {label} attention kernel has been checked on a GPU only with Triton {verified} "
+                f"the Gluon {kernel.upper()} attention kernel has been checked on a GPU only with Triton {verified} "
                 f"(installed: {triton_version}); the plain-Triton kernels serve instead")
 
 
@@ -685,7 +677,7 @@ __all__ = [
     "capability_refusal", "select_path", "expected_paths", "auto_candidates", "fp8_kernel_order", "fp8_precision",
     "path_label", "FP8_KERNEL_GLUON", "FP8_KERNEL_INT8_FP8PV", "FP8_KERNEL_FULL", "FP8_KERNEL_QK",
     "OPTIONAL_FP8_KERNELS", "GLUON_CAPABILITY", "feature_refusal", "FEATURE_MIN_TRITON",
-    "GLUON_GPU_VERIFIED", "GLUON_GPU_WRONG", "gluon_release_refusal",
+    "GLUON_GPU_VERIFIED", "gluon_release_refusal",
     "LINEAR_MODES", "LINEAR_METHODS", "LINEAR_FP8_W8A8", "LINEAR_INT8_W8A8", "LINEAR_FP8_WEIGHT_ONLY",
     "LINEAR_MIN_CAPABILITY", "linear_capability_refusal", "select_linear_method",
     "amd_family", "amd_arch_blocker", "amd_fp8_refusal", "amd_int8_refusal", "AMD_COMPILE_TARGETS",
