@@ -31,7 +31,6 @@ Rules, each with a code the callers compare (never the message text):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Dict, FrozenSet, Optional, Tuple
 
 # ---- path names: one spelling everywhere (nodes, install.py's report, stats) --------------
@@ -541,7 +540,6 @@ GLUON_GPU_VERIFIED: Dict[str, Tuple[Tuple[int, int], ...]] = {
 }
 
 
-@lru_cache(maxsize=None)  # asked on every Gluon call: one answer per (kernel, installed version)
 def gluon_release_refusal(kernel: str, triton_version: Optional[str]) -> Optional[Rule]:
     """Why the Gluon `kernel` ("fp8" / "bf16") does not run with this Triton, or None."""
     if version_tuple(triton_version)[:2] in GLUON_GPU_VERIFIED[kernel]:
