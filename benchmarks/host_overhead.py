@@ -46,6 +46,7 @@ lf = importlib.import_module(pack.__name__ + ".kernels.linear_fp8")
 pl = importlib.import_module(pack.__name__ + ".nodes.patch_linear")
 settings_mod = importlib.import_module(pack.__name__ + ".nodes.settings")
 pa = importlib.import_module(pack.__name__ + ".nodes.patch_attention")
+linear_choice = importlib.import_module(pack.__name__ + ".nodes.linear_choice")
 call_stats_mod = importlib.import_module(pack.__name__ + ".nodes.call_stats")
 
 
@@ -209,6 +210,15 @@ def main():
     skipped.skip_reason = "name matches skip pattern (host_overhead)"
     small = x[:, :512]  # under min_tokens: ComfyUI's Linear serves it
     state.layers += [layer, fused, skipped]
+    # A layer auto handed back for good (linear_choice.hand_back): its module's own forward in
+    # our patch's place, as after auto measured ComfyUI's Linear faster.
+    handed = torch.nn.Linear(128, 128, device=dev, dtype=torch.bfloat16)
+    auto_state = pl.LinearPatchState(settings_mod.AccelSettings("auto"), pl.SkipPatterns.parse(""),
+                                     label="host-overhead auto")
+    handed_layer = pl.LinearLayer(auto_state, "blocks.0.proj", handed, handed.forward)
+    auto_state.layers.append(handed_layer)
+    handed.forward = handed_layer
+    linear_choice.hand_back(handed_layer)
     with torch.no_grad():
         layer(x), fused(x)  # prepare + guard
 
@@ -249,6 +259,8 @@ def main():
         "LinearLayer with fused GELU": lambda: fused(x),
         # what a torch.compile'd graph calls per layer (the eager path behind one custom op)
         "patched_linear op (compiled graph's call)": lambda: torch.ops.triton_accel.patched_linear(x, layer.token),
+        "nn.Linear forward": lambda: module(x),
+        "Linear auto handed back (its own forward)": lambda: handed(x),
         "nn.Linear forward, 512 tokens": lambda: module(small),
         "LinearLayer, 512 tokens (handed back)": lambda: layer(small),
         "LinearLayer, skipped by name (handed back)": lambda: skipped(x),
@@ -257,6 +269,8 @@ def main():
         "kernels.attention fp8": lambda: kernels.attention(q, k, v, precision="fp8"),
         "attention override, auto (ComfyUI's call)": lambda: override(comfy_attention, q, k, v, 24, skip_reshape=True,
                                                                       skip_output_reshape=True),
+        "ComfyUI's attention function (SDPA)": lambda: comfy_attention(q, k, v, 24, skip_reshape=True,
+                                                                    skip_output_reshape=True),
     }
     # The host's speed drifts within a process (session 21: the same call 1.5x slower minutes
     # later), so every path is timed in each of --rounds rounds, the order rotated per round,
@@ -302,6 +316,16 @@ def main():
           f"{args.rounds} rounds")
     for r in rows:
         print(f"{r['path']:45s} {r['us']:8.1f} {r['median_us']:8.1f}" if "us" in r else f"{r['path']:45s} {r['error']}")
+    us = {r["path"]: r["us"] for r in rows if "us" in r}
+    over = [("served Linear (node path) over nn.Linear", "LinearLayer (node path)", "nn.Linear forward"),
+            ("Linear handed back by auto over nn.Linear", "Linear auto handed back (its own forward)",
+             "nn.Linear forward"),
+            ("attention override (auto's answer) over ComfyUI's function", "attention override, auto (ComfyUI's call)",
+             "ComfyUI's attention function (SDPA)")]
+    print("\nhost time over ComfyUI's own call (us, fastest rounds):")
+    for label, ours, theirs in over:
+        if ours in us and theirs in us:
+            print(f"{label:60s} {us[ours] - us[theirs]:8.1f}")
     good = sum(r["ok"] for r in agreement)
     print(f"\nDirectCall agreement (bit-equal to the checked path and copies to their columns, served from "
           f"the 3rd call): "

@@ -34,6 +34,7 @@ FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
 FUSED_ROPE = "TRITON_ACCEL_FUSED_ROPE"
 STEP_GRAPH = "TRITON_ACCEL_STEP_GRAPH"
 SPLIT_TAIL = "TRITON_ACCEL_SPLIT_TAIL"
+CALL_TIMING = "TRITON_ACCEL_CALL_TIMING"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 XDG_CACHE_HOME = "XDG_CACHE_HOME"
 
@@ -111,7 +112,14 @@ SETTINGS = (
             "blocks' output and MLP down projections, K 15360 / 12288: 432 tiles on 132 SMs run as 3 "
             "whole waves plus 36 tiles in 3 slices each instead of 4 waves; 7-8 % faster calls on an "
             "H100), summed in a fixed order (the same bits every run). Read when a Linear call "
-            "signature is first served. Off (any false word): every tile whole."))
+            "signature is first served. Off (any false word): every tile whole."),
+    Setting(CALL_TIMING, "on",
+            "In auto, the first call of each Linear call class (shape, dtypes, weight kind, dynamic "
+            "VRAM streaming, eager or step-graph step) is timed ours against ComfyUI's on the path the "
+            "call really takes (host and GPU time for an eager step, GPU time for a step graph), and "
+            "ComfyUI's Linear keeps the class unless ours is faster; layers it keeps run ComfyUI's own "
+            "forward with nothing of ours in the call. Attention's auto times the whole call the same "
+            "way. Off (any false word): every call the rules admit is served (kernel benchmarks only)."))
 
 
 def flag(name: str, default: bool) -> bool:
@@ -173,6 +181,11 @@ def fused_rope_enabled() -> bool:
 def step_graph_enabled() -> bool:
     """TRITON_ACCEL_STEP_GRAPH: on unless a false word."""
     return flag(STEP_GRAPH, True)
+
+
+def call_timing_enabled() -> bool:
+    """TRITON_ACCEL_CALL_TIMING: on unless a false word."""
+    return flag(CALL_TIMING, True)
 
 
 def split_tail_enabled() -> bool:

@@ -12,6 +12,8 @@ Two views of the same calls:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from collections import Counter, OrderedDict
 
@@ -57,12 +59,28 @@ def new_model_label(model_class: str) -> str:
         return label
 
 
+# Set while auto times a call class (nodes/call_timing): the timed repeats are not calls the
+# model made, and must not show in its counts.
+_MUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("triton_accel_stats_muted", default=False)
+
+
+@contextlib.contextmanager
+def muted():
+    token = _MUTED.set(True)
+    try:
+        yield
+    finally:
+        _MUTED.reset(token)
+
+
 def record(outcome: str, reason: str | None = None, path: str | None = None, *,
            kind: str = KIND_ATTENTION, model: str | None = None) -> None:
     """outcome: "triton" (served by one of our kernels, `path` says which) or "original".
 
     kind: "attention" or "linear"; model: the label from new_model_label(), when known.
     """
+    if _MUTED.get():
+        return
     served = outcome == OUTCOME_SERVED
     with _lock:
         if kind == KIND_ATTENTION:

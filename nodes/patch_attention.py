@@ -21,7 +21,7 @@ import torch
 from .. import __version__ as PACK_VERSION
 from .. import kernels
 from ..kernels import env_settings, extensions
-from . import call_stats, compiled_ops, patch_fused_norms, step_graph
+from . import call_stats, call_timing, compiled_ops, patch_fused_norms, step_graph
 from .device_probe import probe
 from ..kernels.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
 from ..kernels.registry import BackendUnavailableError
@@ -134,14 +134,43 @@ def adapt_call(args: tuple, kwargs: dict) -> dict:
             "skip_output_reshape": bool(call.get("skip_output_reshape", False))}
 
 
-def speed_key(facts, usable, cls: str) -> str:
-    """auto's speed-cache key: GPU | arch | torch | Triton | pack | candidate paths | shape class,
-    with the Gluon loop variant before the shape class when TRITON_ACCEL_GLUON_VARIANT is not
-    the default (a benchmark's variant is timed apart and never reused by the default)."""
+def speed_key(facts, usable, cls: str, mode: str = call_timing.MODE_EAGER) -> str:
+    """auto's speed-cache key: GPU | arch | torch | Triton | pack | candidate paths | step mode |
+    shape class, with the Gluon loop variant before the shape class when
+    TRITON_ACCEL_GLUON_VARIANT is not the default (a benchmark's variant is timed apart and never
+    reused by the default). The step mode: an eager step's call costs host and GPU time, a
+    replayed step graph's only GPU time (call_timing)."""
     variant = env_settings.gluon_variant()
     return "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
-                     f"pack {PACK_VERSION}", "+".join(usable)]
+                     f"pack {PACK_VERSION}", "+".join(usable), mode]
                     + ([f"gluon {variant}"] if variant != "default" else []) + [cls])
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def call_signature(args: tuple, kwargs: dict) -> tuple | None:
+    """What auto's answer for a call depends on, cheap to build on every call: each tensor
+    argument's shape, dtype and device, the plain values, the step mode and the registered
+    extensions; None for a call with anything else (it takes the checked path)."""
+    parts = []
+    for a in args:
+        if type(a) is torch.Tensor:
+            parts.append((a.shape, a.dtype, a.device))
+        elif isinstance(a, _PLAIN):
+            parts.append(a)
+        else:
+            return None
+    for name, a in kwargs.items():
+        if name == "transformer_options" or name == "_inside_attn_wrapper":
+            continue
+        if type(a) is torch.Tensor:
+            parts.append((name, a.shape, a.dtype, a.device))
+        elif isinstance(a, _PLAIN) or isinstance(a, torch.dtype):
+            parts.append((name, a))
+        else:
+            return None
+    return (tuple(parts), call_timing.STEP_MODE.get(), extensions.generation())
 
 
 class AttentionOverride:
@@ -153,6 +182,9 @@ class AttentionOverride:
         self.label = label  # call_stats' name for the patched clone ("Flux #1"), per-model counts
         self._usable: dict = {}
         self._extension_paths: dict = {}
+        # auto's answer per call signature (call_signature): ORIGINAL, or the path that serves it.
+        # ComfyUI's calls then take no adapter, no registry and no speed-cache lookup.
+        self._verdicts: dict = {}
         self.token = compiled_ops.register(self)  # what a compiled graph's patched_attention op names it by
 
     def __deepcopy__(self, memo):
@@ -249,10 +281,22 @@ class AttentionOverride:
         return self._eager(_resolve_function(function), (q, k, v, q.shape[1]), kwargs).contiguous()
 
     def _eager(self, func, args, kwargs):
+        # auto's answer for a call signature it decided before: ComfyUI's function straight
+        # away, or the chosen path without the registry and speed-cache lookups.
+        signature = call_signature(args, kwargs) if self._verdicts else None
+        verdict = self._verdicts.get(signature) if signature is not None else None
+        if verdict == ORIGINAL:
+            if self.previous is not None:
+                return self.previous(func, *args, **kwargs)
+            return func(*args, **kwargs)
         try:
             call = adapt_call(args, kwargs)
         except Unsupported as e:
             return self._original(func, args, kwargs, str(e))
+        if verdict is not None and not compiled_ops.capturing(call["q"]):
+            out = self._runner(verdict, call)()
+            call_stats.record("triton", path=verdict, model=self.label)
+            return out
         q, k, v, mask = call["q"], call["k"], call["v"], call["mask"]
         decision = self.settings.decision_for(q.device)
         extra = self._auto_extensions(q.device)
@@ -273,29 +317,49 @@ class AttentionOverride:
         except extensions.ExtensionCallError as e:
             return self._original(func, args, kwargs, f"{e.path} failed: {e.reason}")
 
+    @staticmethod
+    def _runner(path: str, call: dict):
+        """The call on `path`, returned in ComfyUI's layout."""
+        q, k, v, mask = call["q"], call["k"], call["v"], call["mask"]
+        backend = BACKEND_OF_PATH.get(path, path)
+
+        def run():
+            try:
+                out = kernels.attention(q, k, v, attn_mask=mask, scale=call["scale"], backend=backend)
+            except BackendUnavailableError as e:
+                if not extensions.is_extension_path(path):
+                    raise
+                raise extensions.ExtensionCallError(path, e.reason) from e  # unregistered since
+            if call["skip_output_reshape"]:
+                return out
+            return out.transpose(1, 2).reshape(call["batch"], -1, call["heads"] * call["dim_head"])
+        return run
+
+    def _remember(self, args, kwargs, verdict: str) -> None:
+        signature = call_signature(args, kwargs)
+        if signature is None:
+            return
+        if len(self._verdicts) > 1024:
+            self._verdicts.clear()
+        self._verdicts[signature] = verdict
+
     def _serve(self, func, args, kwargs, call: dict, usable: list, measure: bool):
         """Run the call on the first usable path, or in auto on the one measured fastest."""
-        q, k, v, mask = call["q"], call["k"], call["v"], call["mask"]
+        q, k, mask = call["q"], call["k"], call["mask"]
 
         def runner(path):
-            backend = BACKEND_OF_PATH.get(path, path)
+            return self._runner(path, call)
 
+        def whole_call(path):
+            # What auto times: the call as the step makes it, our adapter included.
             def run():
-                try:
-                    out = kernels.attention(q, k, v, attn_mask=mask, scale=call["scale"], backend=backend)
-                except BackendUnavailableError as e:
-                    if not extensions.is_extension_path(path):
-                        raise
-                    raise extensions.ExtensionCallError(path, e.reason) from e  # unregistered since
-                if call["skip_output_reshape"]:
-                    return out
-                return out.transpose(1, 2).reshape(call["batch"], -1, call["heads"] * call["dim_head"])
+                return self._runner(path, adapt_call(args, kwargs))()
             return run
 
         if measure and timed_on(q.device):
             facts = probe(q.device)
             cls = shape_class(q, k, mask)
-            key = speed_key(facts, usable, cls)
+            key = speed_key(facts, usable, cls, call_timing.STEP_MODE.get())
             if compiled_ops.capturing(q):
                 # No timing inside a CUDA graph capture: an earlier measurement, else ComfyUI's.
                 known = _speed().known(key)
@@ -306,22 +370,23 @@ class AttentionOverride:
                 return out
             known = _speed().known(key)
             if known == ORIGINAL:
-                # What choose() answers from its cache, without building the candidates first:
-                # Flux's auto keeps ComfyUI's attention for all 57 calls of a step, on a
-                # host-bound step.
+                # What choose() answers from its cache, without building the candidates first.
+                self._remember(args, kwargs, ORIGINAL)
                 return self._original(func, args, kwargs, AUTO_KEPT_ORIGINAL)
 
             def original():
                 return (self.previous(func, *args, **kwargs) if self.previous is not None
                         else func(*args, **kwargs))
 
-            candidates = {path: runner(path) for path in usable}
+            candidates = {path: whole_call(path) for path in usable}
             candidates[ORIGINAL] = original
             # A quantized path is kept only where it measured faster and agrees with ComfyUI's
             # output by its bar (speed_choice.agreement_bar: whole-output rel. L2, worst-head cosine).
             about = {"device": str(q.device), "gpu": facts.name, "arch": facts.arch, "shape_class": cls}
             note_model_device(self.label, q.device)  # its node shows this device's measurements
-            choice, out = _speed().choose(key, candidates, q.device, groups=head_slices(call), about=about)
+            with call_stats.muted():
+                choice, out = _speed().choose(key, candidates, q.device, groups=head_slices(call), about=about)
+            self._remember(args, kwargs, choice)
             if choice == ORIGINAL:
                 if out is None:
                     return self._original(func, args, kwargs, AUTO_KEPT_ORIGINAL)

@@ -73,7 +73,7 @@ from ..kernels import extensions
 from ..kernels.gpu_rules import LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY, LINEAR_INT8_W8A8, PATH_PYTORCH
 from ..kernels.linear import PRIORITY as OUR_PRIORITY
 from ..kernels.registry import BackendUnavailableError
-from . import call_stats, compiled_ops, step_graph
+from . import call_stats, call_timing, compiled_ops, linear_choice, step_graph
 from .settings import SEARCH_ALIASES as ATTENTION_SEARCH_ALIASES
 from .settings import SETTINGS_TYPE, AccelSettings, default_device, device_key, patched_model_text
 from .speed_choice import LOSSLESS_BAR, comfy_progress_bar, guard_failure
@@ -357,6 +357,16 @@ class LinearLayer:
         self.token = compiled_ops.register(self)  # what a compiled graph's patched_linear op names it by
         # The facts the checked path read on this layer's last served call (_steady_entry).
         self._steady: tuple | None = None
+        # auto's measured choice (linear_choice): per call class (input shape, dtype, step mode),
+        # True where ours serves it, False where ComfyUI's forward does; the classes ours won
+        # since the step signature changed; whether ComfyUI's forward is back in our place; and
+        # the (module, patch) pairs that go with this layer's patch (the GELU our kernel fuses,
+        # the Sequential traced as one op), handed back with it.
+        self.verdicts: dict[tuple, bool] = {}
+        self.won: set[tuple] = set()
+        self.uninstalled = False
+        self.companions: list[tuple[torch.nn.Module, _ModulePatch]] = []
+        self.activation_patch: FusedActivation | None = None
 
     def __deepcopy__(self, memo):
         return self
@@ -364,6 +374,13 @@ class LinearLayer:
     def _original(self, args, kwargs, reason: str):
         call_stats.record(call_stats.OUTCOME_HANDED_BACK, reason, kind=KIND, model=self.state.label)
         return self.previous(*args, **kwargs)
+
+    def handed_back(self, args, kwargs, reason: str):
+        """_original, and where the reason holds for the call's whole class, that class decided
+        for ComfyUI's Linear (linear_choice.settle)."""
+        if reason in self.state.class_reasons and len(args) == 1 and not kwargs:
+            linear_choice.settle(self, args[0], reason)
+        return self._original(args, kwargs, reason)
 
     def __call__(self, *args, **kwargs):
         if _is_compiling():
@@ -426,12 +443,22 @@ class LinearLayer:
         return int(self.module.weight.shape[0])
 
     def _eager(self, args, kwargs):
+        # Called while marked handed back: ComfyUI re-applied our patch (a reload); a decided
+        # class puts its forward back below.
+        self.uninstalled = False
         if self.state.interrupt_check is not None:
             self.state.interrupt_check()  # what ComfyUI's Linear.forward does first (Cancel)
         if self.skip_reason is not None:
             # Every path below hands a name-skipped layer back first thing; a Flux step makes
-            # ~300 such calls (modulation, embedders), each worth its host time.
+            # ~300 such calls (modulation, embedders), each worth its host time: where auto
+            # decides, the layer's own forward takes our place after this call.
+            if len(args) == 1 and not kwargs:
+                linear_choice.settle(self, args[0], self.skip_reason)
             return self._original(args, kwargs, self.skip_reason)
+        if self.verdicts and len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:
+            if self.verdicts.get(linear_choice.verdict_key(args[0])) is False:
+                linear_choice.hand_back(self)
+                return self.previous(args[0])
         if self._steady is not None and len(args) == 1 and not kwargs:
             entry = self._steady_entry(args[0])
             if entry is not None:
@@ -449,7 +476,7 @@ class LinearLayer:
             x = args[0]
             entry = self.state.entry_for(self, x, weight)
         except HandBack as e:
-            return self._original(args, kwargs, str(e))
+            return self.handed_back(args, kwargs, str(e))
         if entry.guarded:
             self._remember_steady(x, weight, entry)
         return self._run_ours(x, entry)
@@ -495,6 +522,8 @@ class LinearLayer:
             self.state.fall_back(self, x.device, f"kernel error: {type(e).__name__}: {e}")
             return self._original((x,), {}, REASON_KERNEL_ERROR)
         call_stats.record(call_stats.OUTCOME_SERVED, path=entry.method, kind=KIND, model=self.state.label)
+        if linear_choice.verdict_key(x) not in self.verdicts:
+            linear_choice.after_served(self, x, False, entry.method)
         return out
 
     # -- other packs' Linear (kernels/extensions.py)
@@ -709,7 +738,8 @@ class LinearPatchState:
 
     def __init__(self, settings: AccelSettings, skip: SkipPatterns, min_tokens: int = MIN_TOKENS,
                  backend: LinearBackend | None = None, label: str | None = None,
-                 dynamic_vram: str = DYNAMIC_VRAM_AUTO, weight_cast: ComfyWeightCast | None = None):
+                 dynamic_vram: str = DYNAMIC_VRAM_AUTO, weight_cast: ComfyWeightCast | None = None,
+                 speed: call_timing.LinearSpeedChoice | None = None):
         if dynamic_vram not in DYNAMIC_VRAM_MODES:
             raise ValueError(f"dynamic_vram must be one of {DYNAMIC_VRAM_MODES}; got {dynamic_vram!r}")
         self.settings = settings
@@ -718,6 +748,12 @@ class LinearPatchState:
         self.skip = skip
         self.min_tokens = int(min_tokens)
         self.few_tokens_reason = f"fewer than {self.min_tokens} tokens: quantising cannot pay"
+        # Hand-back reasons that hold for every call of a class: where auto decides, the class
+        # goes to ComfyUI's Linear for good (linear_choice.settle), with nothing of ours per call.
+        self.class_reasons = frozenset({self.few_tokens_reason, REASON_QUANTIZED, REASON_SHAPE,
+                                        REASON_STREAMED_PER_CALL_OFF, REASON_DYNAMIC_VRAM_OFF})
+        self.speed = speed or call_timing.shared_linear()  # auto's call timing (a seam for tests)
+        self._step_signature = None
         self.backend = backend or default_backend()
         self.label = label
         self.layers: list[LinearLayer] = []
@@ -960,7 +996,7 @@ class LinearPatchState:
 
     def _copy_for(self, diffusion_model) -> LinearPatchState:
         state = LinearPatchState(self.settings, self.skip, self.min_tokens, self.backend, self.label,
-                                 self.dynamic_vram, self.weight_cast)
+                                 self.dynamic_vram, self.weight_cast, self.speed)
         state.interrupt_check = self.interrupt_check
         for layer in self.layers:
             module = _submodule(diffusion_model, layer.name)
@@ -973,6 +1009,13 @@ class LinearPatchState:
         log.info("Triton Accel Linear (%s): %d Linear layers of a MultiGPU clone patched", self.label,
                  len(state.layers))
         return state
+
+    def begin_step(self, signature) -> None:
+        """step_graph's hook at each diffusion-model call: a new signature (resolution, batch,
+        step mode) puts handed-back layers' patches back, so their new classes are decided."""
+        if signature != self._step_signature:
+            self._step_signature = signature
+            linear_choice.new_step(self)
 
     # -- lifetime
     def on_load(self, patcher, *args, **kwargs) -> None:
@@ -1212,7 +1255,7 @@ def streamed_call(layer: LinearLayer, x: torch.Tensor):
     try:
         method, weight_dtype, entry = _streamed_plan(layer, x)
     except HandBack as e:
-        return layer._original((x,), {}, str(e))
+        return layer.handed_back((x,), {}, str(e))
     return _streamed_run(layer, x, method, weight_dtype, entry)
 
 
@@ -1244,6 +1287,8 @@ def _streamed_run(layer: LinearLayer, x: torch.Tensor, method: str, weight_dtype
         state.fall_back(layer, x.device, f"quality guard ({method}): {failure}")
         return _streamed_hand_back(layer, x, reference, REASON_GUARD)
     call_stats.record(call_stats.OUTCOME_SERVED, path=f"{method} (dynamic VRAM)", kind=KIND, model=state.label)
+    if linear_choice.verdict_key(x) not in layer.verdicts:
+        linear_choice.after_served(layer, x, True, method)
     return out
 
 
@@ -1505,7 +1550,10 @@ def _fuse_activations(patched, state: LinearPatchState, with_copies: bool = Fals
         layer.activation = (ACTIVATION_GELU_TANH, first)
         layer.activation_copy = with_copy
         layer.activation_forward = previous
-        patched.add_object_patch(key, FusedActivation(act_name, module, previous))
+        fused = FusedActivation(act_name, module, previous)
+        layer.activation_patch = fused
+        layer.companions.append((module, fused))
+        patched.add_object_patch(key, fused)
         if not with_copy:  # Sequential(..., Linear, GELU, ...): one op for the pair under torch.compile
             _fuse_sequential(patched, diffusion_model, layer, linear_name)
 
@@ -1519,7 +1567,9 @@ def _fuse_sequential(patched, diffusion_model, layer: LinearLayer, linear_name: 
     previous = patched.get_model_object(key)
     while isinstance(previous, FusedSequential):  # re-patching one of our clones
         previous = previous.previous
-    patched.add_object_patch(key, FusedSequential(seq_name, seq, previous, layer, int(child)))
+    fused = FusedSequential(seq_name, seq, previous, layer, int(child))
+    layer.companions.append((seq, fused))
+    patched.add_object_patch(key, fused)
 
 
 # ---- patching a ModelPatcher ----------------------------------------------------------------

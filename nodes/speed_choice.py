@@ -12,8 +12,6 @@ gives the measurements per device and shape class to the Settings node and the s
 from __future__ import annotations
 
 import logging
-import os
-import statistics
 import sys
 import threading
 from dataclasses import dataclass
@@ -21,15 +19,15 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import env_settings, extensions, tuning
+from ..kernels import extensions, tuning
 from ..kernels.gpu_rules import LOSSY_PATHS, PATH_LABEL
 from ..kernels.json_cache import JsonCache
+from . import call_timing
 
 log = logging.getLogger("triton_accel.nodes.speed_choice")  # not __name__: the clone's folder name
 
-CACHE_VERSION = 1
-WARMUP_RUNS = 2
-TIMED_RUNS = 5
+# 2: entries time the whole call in its step's mode (call_timing); 1 timed the kernels alone.
+CACHE_VERSION = 2
 ORIGINAL = "original"
 
 
@@ -119,15 +117,7 @@ def shape_class(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> 
 
 
 def default_cache_file() -> Path:
-    base = env_settings.cache_dir()
-    if not base:
-        try:
-            import folder_paths  # ComfyUI's; keeps the cache with the user's other settings
-
-            base = os.path.join(folder_paths.get_user_directory(), "triton_accel")
-        except Exception:
-            base = os.path.join(os.path.expanduser("~"), ".cache", "triton_accel")
-    return Path(base) / "attention_speed.json"
+    return call_timing.cache_folder() / "attention_speed.json"
 
 
 def valid_entry(key: str, entry: object) -> bool:
@@ -171,22 +161,9 @@ tuning.set_progress_hook(_AutotuneProgress())
 
 
 def _time_ms(fn, device: torch.device) -> tuple[float, torch.Tensor]:
-    # Events record on the current device's stream: under MultiGPU work units the calling
-    # thread's current device is normally `device` already, but a thread that did not set it
-    # would time cuda:0's stream while the kernels run on cuda:1.
-    with torch.cuda.device(device):
-        out = None
-        for _ in range(WARMUP_RUNS):
-            out = fn()
-        times = []
-        for _ in range(TIMED_RUNS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    return statistics.median(times), out
+    """(ms per call, output): the whole call in the current step's mode (call_timing), warm."""
+    out = fn()
+    return call_timing.time_calls({"call": fn}, device)["call"], out
 
 
 class SpeedChoice:

@@ -98,7 +98,8 @@ def _speed_lines_of(label: str, rows: list[dict] | None) -> list[str]:
     try:
         speed_choice = importlib.import_module(".speed_choice", __package__)
         devices = speed_choice.model_devices(label)
-        return speed_choice.speed_lines(devices, rows=rows) if devices else []
+        lines = speed_choice.speed_lines(devices, rows=rows) if devices else []
+        return lines + importlib.import_module(".linear_choice", __package__).model_lines(label)
     except Exception as e:  # the counts must still show
         log.debug("Triton Accel: speed lines for %s: %s: %s", label, type(e).__name__, e)
         return []
@@ -135,6 +136,15 @@ def _speed_cache_entries() -> list[dict]:
                     "choice": choice, "timings_ms": timings,
                     "speedup_vs_original": round(theirs / ours, 3) if ours and theirs else None})
     return out
+
+
+def linear_measurements() -> list[dict]:
+    """The Linear call classes auto timed, ours against ComfyUI's (linear_choice)."""
+    try:
+        return importlib.import_module(".linear_choice", __package__).measured_rows(MAX_MEASUREMENTS)
+    except Exception as e:  # the panel must still render
+        log.warning("Triton Accel: Linear measurements could not be read: %s: %s", type(e).__name__, e)
+        return []
 
 
 def measurements() -> dict:
@@ -248,6 +258,7 @@ def status_payload() -> dict:
         "models": models_status(snapshot, measured.get("rows", [])),
         "totals": {kind: _counts_for_people(c) for kind, c in snapshot["kinds"].items()},
         "measurements": measured,
+        "linear_measurements": linear_measurements(),
         "install": install_health(),
         "benchmark": benchmark_status(),
         "extensions": extensions_status(devices, measured.get("rows", [])),

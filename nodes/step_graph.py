@@ -36,7 +36,7 @@ import weakref
 import torch
 
 from ..kernels import cache_registry, env_settings
-from . import call_stats, compiled_ops
+from . import call_stats, call_timing, compiled_ops
 from .speed_choice import guard_failure
 
 log = logging.getLogger("triton_accel")
@@ -278,8 +278,28 @@ class StepGraphs:
         if not isinstance(x, torch.Tensor):
             return self._eager(executor, args, kwargs, REASON_ARGUMENT)
         reason = self._refusal(x, args, kwargs)
-        if reason is not None:
-            return self._eager(executor, args, kwargs, reason)
+        # What auto's call timing measures in this step (call_timing): GPU time where the step
+        # is on its way to a recording that later steps replay, host and GPU time otherwise.
+        mode = call_timing.MODE_GRAPH if reason is None else call_timing.MODE_EAGER
+        self._begin_step(args, kwargs, mode)
+        with call_timing.step_mode(mode):
+            if reason is not None:
+                return self._eager(executor, args, kwargs, reason)
+            return self._graphed(executor, x, args, kwargs)
+
+    def _begin_step(self, args, kwargs, mode: str) -> None:
+        """The Linear states' per-step hook, with the step's signature: the shapes of its tensor
+        arguments and the mode (linear_choice puts handed-back layers back when it changes)."""
+        if not self.linear_states:
+            return
+        shapes = tuple(a.shape for a in args if isinstance(a, torch.Tensor))
+        shapes += tuple((k, v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        signature = (shapes, mode)
+        for state in self.linear_states:
+            state.begin_step(signature)
+
+    def _graphed(self, executor, x, args, kwargs):
+        """A call that may be recorded or replayed."""
         tensors: list = []
         try:
             key = (flatten(args, tensors, x.device), flatten(kwargs, tensors, x.device))

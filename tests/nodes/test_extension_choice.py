@@ -14,6 +14,7 @@ import logging
 import math
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,7 +203,7 @@ def test_auto_keeps_an_extension_only_when_faster_and_agreeing(monkeypatch, tmp_
     out, ref = _call(override)
     (key, entry), = chooser.snapshot().items()
     assert entry["choice"] == (path if kept else ORIGINAL), entry
-    assert key.split("|")[-2] == path  # the candidates: the extension alone (auto on the CPU has no Triton path)
+    assert key.split("|")[-3] == path  # the candidates: the extension alone (auto on the CPU has no Triton path)
     assert call_stats.snapshot()["calls"] == ({"triton": 1} if kept else {"original": 1})
     expected_rel = ((out - ref).norm() / ref.norm()).item()
     assert expected_rel == pytest.approx(rel, abs=1e-6) if kept else expected_rel == 0
@@ -331,3 +332,38 @@ def test_auto_inside_a_cuda_graph_capture_uses_what_it_measured_before_or_comfyu
     monkeypatch.setattr(compiled_ops, "capturing", lambda t: True)
     _call(override, seed=2)
     assert call_stats.snapshot()["calls"] == {"triton": 1} and len(chooser.snapshot()) == 1
+
+
+def _pack_frames(fn) -> list[str]:
+    """The pack's functions (nodes/, kernels/) entered while fn() runs."""
+    root = Path(patch_attention.__file__).resolve().parents[1]
+    dirs, seen = {root, root / "nodes", root / "kernels"}, []
+
+    def profile(frame, event, arg):
+        if event == "call" and Path(frame.f_code.co_filename).parent in dirs:
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.parametrize("faster", [False, True])
+def test_a_decided_signature_skips_the_adapter_and_the_speed_cache(monkeypatch, tmp_path, faster):
+    """Once auto decided a call signature, ComfyUI's calls go straight to its function (only
+    the override's own frames, the compile check and the signature on the way) and ours straight
+    to the path."""
+    path = extensions.register_attention("decided", sdpa, constraints=CPU)
+    override, chooser = _auto(monkeypatch, tmp_path, {ORIGINAL: 2.0, path: 1.0 if faster else 3.0})
+    _call(override)  # timed
+    lookups = []
+    monkeypatch.setattr(chooser, "known", lambda key: lookups.append(key))
+    frames = _pack_frames(lambda: _call(override, seed=1))
+    assert lookups == []
+    if faster:
+        assert "adapt_call" in frames and "_usable_paths" not in frames, frames
+    else:
+        assert set(frames) <= {"__call__", "_is_compiling", "_eager", "call_signature", "generation"}, frames

@@ -280,7 +280,8 @@ def test_speed_key_keeps_a_gluon_variant_apart(monkeypatch, variant):
     assert fields[:2] == ["NVIDIA H200", "sm_90"] and fields[-1] == "b1-h40/40-q32760-k32760-d128"
     assert fields[5] == f"{ORIGINAL}+{FP8}+{FP16}"
     timed_apart = variant in ("lean", "classic", "lean_rowsum", "lean_poly12")
-    assert (f"gluon {variant}" in fields) == timed_apart and len(fields) == (8 if timed_apart else 7)
+    assert (f"gluon {variant}" in fields) == timed_apart and len(fields) == (9 if timed_apart else 8)
+    assert fields[6] == "eager"  # the step mode: an eager call is timed with its host time
 
 
 def test_one_info_line_before_and_one_after_timing_then_silence(tmp_path, caplog):

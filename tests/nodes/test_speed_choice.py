@@ -94,16 +94,16 @@ def test_fastest_agreeing_candidate_wins_among_several(tmp_path):
 # Cache files that used to raise from inside the sampler's attention call (AttributeError,
 # TypeError from known()/choose()) or were reset without a word.
 BAD_CACHES = {
-    "truncated": '{"version": 1, "entries": {"k": {"choice": "original"',
+    "truncated": '{"version": 2, "entries": {"k": {"choice": "original"',
     "empty": "",
     "binary": "\x00\xff\xfe\x80garbage",
     "list": "[1, 2]",
     "number": "5",
-    "entries_list": '{"version": 1, "entries": []}',
-    "entries_null": '{"version": 1, "entries": null}',
-    "string_entry": '{"version": 1, "entries": {"k": "triton_fp16"}}',
-    "entry_without_choice": '{"version": 1, "entries": {"k": {"timings": {}}}}',
-    "choice_not_a_string": '{"version": 1, "entries": {"k": {"choice": 3}}}',
+    "entries_list": '{"version": 2, "entries": []}',
+    "entries_null": '{"version": 2, "entries": null}',
+    "string_entry": '{"version": 2, "entries": {"k": "triton_fp16"}}',
+    "entry_without_choice": '{"version": 2, "entries": {"k": {"timings": {}}}}',
+    "choice_not_a_string": '{"version": 2, "entries": {"k": {"choice": 3}}}',
 }
 
 
@@ -121,7 +121,7 @@ def test_wrong_shaped_cache_is_measured_again_and_rebuilt_with_one_warning(tmp_p
     assert sc.choose("k", cands(ours, original), torch.device("cpu"))[0] == OURS
     assert sc.choose("k2", cands(ours, original), torch.device("cpu"))[0] == OURS
     saved = json.loads(cache.read_text())
-    assert saved["version"] == 1 and set(saved["entries"]) == {"k", "k2"}
+    assert saved["version"] == 2 and set(saved["entries"]) == {"k", "k2"}
     assert SpeedChoice(cache).known("k") == OURS
     assert len(_warnings_naming(caplog, cache)) == 1
 

@@ -203,7 +203,7 @@ def test_non_tensor_values_are_part_of_the_signature():
 @torch.no_grad()
 def test_changed_weights_drop_the_graph(change):
     model, base = Model(), Base()
-    state = type("State", (), {"changes": 0, "layers": []})()
+    state = type("State", (), {"changes": 0, "layers": [], "begin_step": lambda self, signature: None})()
     graphs = StepGraphs(linear_states=(state,))
     for i in range(4):
         call(graphs, model, *inputs(seed=i), base=base)

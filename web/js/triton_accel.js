@@ -231,16 +231,24 @@ function renderModels(root, status) {
 function renderMeasurements(root, status) {
     const rows = status.measurements?.rows ?? [];
     root.appendChild(el("h3", "auto's measurements"));
+    const original = status.measurements?.original_label ?? "ComfyUI";
     if (!rows.length) {
         root.appendChild(el("div", "None yet: auto times each new shape once, on its first call.", "ta-muted"));
-        return;
+    } else {
+        root.appendChild(table(["shape class", "kept", "timings (ms)", `vs ${original}`], rows.map((r) => [
+            r.shape_class, r.choice === "original" ? original : r.choice,
+            Object.entries(r.timings_ms ?? {}).map(([k, v]) => `${k === "original" ? "ComfyUI" : k} ${v}`).join(", "),
+            r.speedup_vs_original ? `${r.speedup_vs_original}×` : "",
+        ])));
     }
-    const original = status.measurements.original_label ?? "ComfyUI";
-    root.appendChild(table(["shape class", "kept", "timings (ms)", `vs ${original}`], rows.map((r) => [
-        r.shape_class, r.choice === "original" ? original : r.choice,
-        Object.entries(r.timings_ms ?? {}).map(([k, v]) => `${k === "original" ? "ComfyUI" : k} ${v}`).join(", "),
-        r.speedup_vs_original ? `${r.speedup_vs_original}×` : "",
-    ])));
+    const linear = status.linear_measurements ?? [];
+    if (linear.length) {
+        root.appendChild(el("div", "Linear call classes (ms per call as the step issues it):", "ta-muted"));
+        root.appendChild(table(["call class", "step", "kept", "ours", "ComfyUI", "speed-up"], linear.map((r) => [
+            r.shape_class, r.mode, r.ours ? "ours" : "ComfyUI", r.ours_ms, r.theirs_ms,
+            r.ours_ms > 0 ? `${(r.theirs_ms / r.ours_ms).toFixed(2)}×` : "",
+        ])));
+    }
 }
 
 // Other packs' attention and Linear implementations (docs/extension_api.md): one box each,
