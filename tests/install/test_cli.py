@@ -1,5 +1,6 @@
 """install.py as a command: flags, exit codes, --json, the --venv bootstrap's plan, and that
 it runs with nothing but the standard library on every Python it may meet (3.9 ... 3.14)."""
+import ast
 import glob
 import json
 import shutil
@@ -35,16 +36,27 @@ def test_help_runs_without_site_packages():
 
 
 def test_imports_only_the_standard_library():
-    """Nothing but the stdlib and the two pack files install.py loads by path (stdlib-only
-    themselves: whatever they imported would show up here too)."""
+    """Nothing but the stdlib, the installer/ package and the two pack files install.py loads
+    by path (stdlib-only themselves: whatever they imported would show up here too)."""
     code = ("import sys, importlib.util; before = set(sys.modules); "
             "spec = importlib.util.spec_from_file_location('m', sys.argv[1]); m = importlib.util.module_from_spec(spec); "
             "sys.modules['m'] = m; spec.loader.exec_module(m); "
-            "new = sorted(k.split('.')[0] for k in set(sys.modules) - before); "
+            "new = sorted({k.split('.')[0] for k in set(sys.modules) - before}); "
             "std = sys.stdlib_module_names; print([k for k in new if k not in std and k not in ('m', '_distutils_hack')])")
     proc = subprocess.run([sys.executable, "-c", code, str(INSTALL_PY)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "['_triton_accel_gpu_rules', '_triton_accel_install_config']"
+    assert proc.stdout.strip() == "['_triton_accel_gpu_rules', '_triton_accel_install_config', '_triton_accel_installer']"
+
+
+def test_installer_modules_are_stdlib_only_and_relative():
+    """installer/ is loaded by path under a private name, so its modules reach each other only
+    through relative imports, and reach nothing outside the standard library."""
+    for path in sorted((ROOT / "installer").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert node.module.split(".")[0] in sys.stdlib_module_names | {"__future__"}, (path.name, node.module)
+            elif isinstance(node, ast.Import):
+                assert all(a.name.split(".")[0] in sys.stdlib_module_names for a in node.names), path.name
 
 
 def test_json_dry_run_report(tmp_path):

@@ -59,10 +59,13 @@ def _write(folder, content):
 
 
 def _pack_copy(tmp_path, name="pack"):
-    """__init__.py, install.py and the two files they load by path, in a folder called `name`."""
+    """__init__.py, install.py, its installer/ package and the two files they load by path, in a
+    folder called `name`."""
     folder = tmp_path / name
     (folder / "kernels").mkdir(parents=True)
-    for rel in ("__init__.py", "install.py", "kernels/install_config.py", "kernels/gpu_rules.py"):
+    (folder / "installer").mkdir()
+    installer = [path.relative_to(ROOT).as_posix() for path in (ROOT / "installer").glob("*.py")]
+    for rel in ("__init__.py", "install.py", "kernels/install_config.py", "kernels/gpu_rules.py", *installer):
         shutil.copy(ROOT / rel, folder / rel)
     return folder
 

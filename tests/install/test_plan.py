@@ -5,6 +5,8 @@ torch 2.3 ... 2.13 x Python 3.9 ... 3.14 x sm_61 ... sm_120 x VC++ runtime state
 exact pip command lines, findings (severity, code) and attention path the plan must
 produce. The message table below checks the exact text and fix line of every finding.
 """
+from pathlib import Path
+
 import pytest
 
 from install_helpers import load_install_module
@@ -592,7 +594,8 @@ def test_message(facts, code, message, fix):
 
 def test_every_code_has_a_message_test():
     import re
-    source = open(inst.__file__, encoding="utf-8").read()
+    installer = Path(inst.__file__).with_name("installer")  # install.py's implementation
+    source = "".join(path.read_text(encoding="utf-8") for path in sorted(installer.glob("*.py")))
     codes = set(re.findall(r'(?:add|Finding)\(\s*"([A-Z_0-9]+)"', source))
     codes |= set(re.findall(r'\("(CACHE_[A-Z_]+)"', source))
     # check_gpu() names its findings by gpu_rules' codes, one text per NVIDIA rule.

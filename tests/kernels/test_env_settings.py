@@ -14,7 +14,7 @@ from triton_accel.kernels import env_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = [*sorted((ROOT / "kernels").rglob("*.py")), *sorted((ROOT / "nodes").rglob("*.py")),
-           ROOT / "__init__.py", ROOT / "install.py"]
+           *sorted((ROOT / "installer").rglob("*.py")), ROOT / "__init__.py", ROOT / "install.py"]
 SETTINGS_MODULE = ROOT / "kernels" / "env_settings.py"
 
 OFF = ["", "0", "false", "False", "FALSE", "no", "No", "off", "OFF", " 0 ", "\toff\n"]
