@@ -1,9 +1,9 @@
 """End to end in real ComfyUI code: milliseconds per denoising step, one run, every variant.
 
-Builds full-size Flux-architecture (12B) and Wan 2.1 14B-architecture models with random
-weights made in place (bf16, on the GPU; nothing is downloaded), patches them the way the
-nodes do, and times `BaseModel.apply_model` (what the sampler calls once per step at cfg 1)
-with:
+Builds full-size models of ComfyUI's own classes (SD1.5, SDXL, Flux.1 12B, Qwen-Image 20B,
+Wan 2.1 14B: benchmarks/e2e_models.py) with random weights made in place (bf16, on the GPU;
+nothing is downloaded), patches them the way the nodes do, and times `BaseModel.apply_model`
+(what the sampler calls once per step at cfg 1) with:
   default      ComfyUI's own attention (PyTorch SDPA with its default backend)
   sdpa-flash   the same, SDPA forced to its FlashAttention-2 backend (the RTX default)
   sage         ComfyUI's SageAttention path (sageattention 1.0.6, Triton)
@@ -19,6 +19,7 @@ with:
   ours-all-fp8 TritonAccelPatch with attention fp8 and Linear fp8 forced
   ours-fp8ckpt TritonAccelPatch (auto) on a model loaded with FP8 weights (weight_dtype
                fp8_e4m3fn, ComfyUI upcasting per call): our Linear uses the FP8 weights as-is
+  default-fp8ckpt  ComfyUI's own path on that FP8-weight model (the default of an FP8 checkpoint)
   ours-linear-unfused / ours-all-unfused  ours-linear / ours-all with every GELU left to
                ComfyUI (none in our GEMM epilogue): the fusion's before/after in one run
   ours-linear-nocopy / ours-all-nocopy  ours-linear / ours-all with Flux's single-block GELU
@@ -47,7 +48,11 @@ weight quantisation happen there) and the peak GPU memory.
     python benchmarks/e2e_comfyui.py --comfyui .ext/ComfyUI-0.29.0 [--models flux wan] [--tiny]
         [--dynamic-vram]
 
---tiny builds two-block models for a CPU smoke run (use TRITON_INTERPRET=1 there).
+--tiny builds one- or two-block models for a CPU smoke run (use TRITON_INTERPRET=1 there).
+--check-sensitivity: before the variants, the unpatched model's output change when one
+attention's output is scaled by 1.01 (first, middle and last block) and each block's update
+over the residual it receives (e2e_models.sensitivity / block_update_ratios): > 0 shows the
+blocks are not lost in the residual adds, so the variants' cosines measure every block.
 --dynamic-vram runs every variant under ComfyUI 0.29+'s dynamic VRAM, switched on the way
 its main.py does (comfy_aimdo.control.init before torch loads, init_devices, CoreModelPatcher =
 ModelPatcherDynamic, memory_management.aimdo_enabled): the models' weights live on the CPU and
@@ -78,32 +83,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FULL = {
-    # Flux.1-dev: 19 double + 38 single blocks, hidden 3072, 24 heads of 128; 1024x1024 image
-    # = 128x128 latent = 4096 image tokens + 512 T5 tokens.
-    "flux": dict(unet=dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
-                           hidden_size=3072, mlp_ratio=4.0, num_heads=24, depth=19, depth_single_blocks=38,
-                           axes_dim=[16, 56, 56], theta=10000, qkv_bias=True, guidance_embed=True, patch_size=2,
-                           txt_ids_dims=[]),
-                 latent=(1, 16, 128, 128), text=(1, 512, 4096), pooled=(1, 768)),
-    # Wan 2.1 T2V 14B: 40 layers, dim 5120, 40 heads of 128; 832x480x81 frames = latent
-    # 21x60x104 = 32,760 tokens after the (1,2,2) patch; 512 umT5 tokens.
-    "wan": dict(unet=dict(image_model="wan2.1", model_type="t2v", dim=5120, out_dim=16, num_heads=40, ffn_dim=13824,
-                          num_layers=40, patch_size=(1, 2, 2), freq_dim=256, window_size=(-1, -1), qk_norm=True,
-                          cross_attn_norm=True, eps=1e-6, in_dim=16, text_len=512),
-                latent=(1, 16, 21, 60, 104), text=(1, 512, 4096), pooled=None),
-}
-TINY = {
-    "flux": dict(unet={**FULL["flux"]["unet"], "hidden_size": 256, "num_heads": 2, "depth": 1,
-                       "depth_single_blocks": 1, "axes_dim": [16, 56, 56], "context_in_dim": 64, "vec_in_dim": 32},
-                 latent=(1, 16, 16, 16), text=(1, 8, 64), pooled=(1, 32)),
-    "wan": dict(unet={**FULL["wan"]["unet"], "dim": 256, "num_heads": 2, "ffn_dim": 512, "num_layers": 1},
-                latent=(1, 16, 2, 16, 16), text=(1, 8, 4096), pooled=None),
-}
+from e2e_models import FAMILIES, FULL, TINY, build, check_sensitivity, inputs  # noqa: F401  (check_dynamic_vram.py)
 
 
 def load_pack(name="triton_accel_bench"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+    """The pack as ComfyUI loads it; E2E_PACK_ROOT=<folder> loads another copy of it (an earlier
+    release unpacked there, for a before/after on one machine) under the same name."""
+    root = Path(os.environ.get("E2E_PACK_ROOT") or ROOT).resolve()
+    spec = importlib.util.spec_from_file_location(name, root / "__init__.py", submodule_search_locations=[str(root)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -152,65 +139,6 @@ def enable_dynamic_vram(aimdo_control) -> None:
     comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
     comfy.memory_management.aimdo_enabled = True
     print(f"dynamic VRAM on (comfy-aimdo) for {[str(d) for d in devices]}", flush=True)
-
-
-def make_patcher(model, device, dynamic_vram: bool):
-    """The ModelPatcher ComfyUI's loader would make: under dynamic VRAM the weights go to the
-    offload device (the CPU) and ModelPatcherDynamic streams them; otherwise they stay on `device`."""
-    import torch
-    import comfy.model_patcher
-
-    if not dynamic_vram:
-        return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
-    model.to("cpu")  # built and initialised on the GPU (fast), kept where ComfyUI keeps it
-    torch.cuda.empty_cache()
-    return comfy.model_patcher.ModelPatcherDynamic(model, load_device=device, offload_device=torch.device("cpu"))
-
-
-def build(spec, dtype, device, weights="bf16", dynamic_vram=False):
-    """weights: "bf16" (dtype), "fp8-fast" (ComfyUI's fp8_e4m3fn_fast: FP8 weights and its
-    FP8 matmul ops) or "fp8" (weight_dtype fp8_e4m3fn: FP8 weights upcast per call)."""
-    import torch
-    import comfy.model_detection
-
-    config = comfy.model_detection.model_config_from_unet_config(dict(spec["unet"]))
-    assert config is not None, f"ComfyUI does not recognise {spec['unet']['image_model']}"
-    if weights == "bf16":
-        config.set_inference_dtype(dtype, None)
-    else:
-        # What load_diffusion_model_state_dict does for these weight_dtype choices.
-        config.set_inference_dtype(torch.float8_e4m3fn, dtype)
-        if weights == "fp8-fast":
-            config.optimizations["fp8"] = True
-    model = config.get_model({}, device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:  # weights: small random values keep activations finite through 60 blocks
-                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
-                        .mul_(p.shape[-1] ** -0.5 * 0.5).to(p.dtype))
-            elif name.endswith(("scale", "norm.weight", "norm1.weight", "norm2.weight", "norm3.weight")):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02).to(p.dtype))
-    model.to(device)
-    model.eval()
-    model.requires_grad_(False)  # as ComfyUI's loaders leave them (LoRA merging rounds in place)
-    return make_patcher(model, device, dynamic_vram)
-
-
-def inputs(spec, dtype, device):
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(spec["latent"], generator=gen, device=device, dtype=torch.float32)
-    context = torch.randn(spec["text"], generator=gen, device=device, dtype=torch.float32)
-    kwargs = {}
-    if spec["pooled"] is not None:
-        kwargs["y"] = torch.randn(spec["pooled"], generator=gen, device=device, dtype=torch.float32)
-        kwargs["guidance"] = torch.full((1,), 3.5, device=device)
-    t = torch.full((1,), 0.7, device=device)
-    return x, t, context, kwargs
 
 
 def sage_override():
@@ -374,7 +302,7 @@ def kernel_profile_step(run, folder: Path, label: str) -> None:
 
 
 # The weights each variant's model is built with (default bf16).
-WEIGHTS_OF = {"comfy-fp8-fast": "fp8-fast", "ours-fp8ckpt": "fp8"}
+WEIGHTS_OF = {"comfy-fp8-fast": "fp8-fast", "ours-fp8ckpt": "fp8", "default-fp8ckpt": "fp8"}
 # variant -> (attention mode or None, Linear mode or None); None: that part is not patched.
 OURS = {"ours-auto": ("auto", None), "ours-triton": ("fp16", None), "ours-fp8": ("fp8", None),
         "ours-int8": ("int8", None), "ours-linear": (None, "auto"), "ours-linear-fp8": (None, "fp8"),
@@ -577,7 +505,7 @@ def run_variant_uncompiled(name, variant, base, x, t, context, kwargs, steps, de
                                  copy_activations=variant not in NOT_COPIED)
         except Exception as e:
             return dict(model=name, variant=variant, error=f"patch failed: {type(e).__name__}: {e}"[:300])
-    elif variant not in ("default", "comfy-fp8-fast"):
+    elif variant not in ("default", "default-fp8ckpt", "comfy-fp8-fast"):
         return dict(model=name, variant=variant, error="unknown variant")
     if compiled:
         try:
@@ -679,11 +607,14 @@ def run_benchmark_node(name, base, x, context, kwargs, out_dir):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH", str(ROOT / ".ext" / "ComfyUI-0.29.0")))
-    ap.add_argument("--models", nargs="+", default=["flux", "wan"])
+    ap.add_argument("--models", nargs="+", default=["flux", "wan"], choices=FAMILIES)
     ap.add_argument("--variants", nargs="+", default=["default", "sdpa-flash", "sage", "ours-auto", "ours-triton", "ours-fp8",
                                                       "comfy-fp8-fast", "ours-linear", "ours-all"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--check-sensitivity", action="store_true",
+                    help="print (and keep in the JSON's meta) the unpatched model's output change for a 1%% change "
+                         "of one attention's output, and each block's update over its residual")
     ap.add_argument("--benchmark-node", action="store_true",
                     help="also run the TritonAccelBenchmark node (settings auto) on each bf16 model; its JSON and "
                          "chart go to OUT/benchmark_node_<model>/")
@@ -719,7 +650,7 @@ def main():
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     specs = TINY if args.tiny else FULL
-    results = []
+    results, sensitivities = [], {}
     for name in args.models:
         spec = specs[name]
         x = t = context = kwargs = None
@@ -735,6 +666,8 @@ def main():
             base = build(spec, dtype, device, weights, args.dynamic_vram)
             x, t, context, kwargs = inputs(spec, dtype, device)
             print(f"[{name}] built ({weights}) in {time.perf_counter() - t_build:.1f} s", flush=True)
+            if args.check_sensitivity and name not in sensitivities:
+                sensitivities[name] = check_sensitivity(name, spec, base, step_fn(base, x, t, context, kwargs))
             for variant in todo:
                 row = run_variant(name, variant, base, x, t, context, kwargs, args.steps, device, ref,
                                   args.dynamic_vram)
@@ -752,8 +685,12 @@ def main():
 
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 triton=pack.kernels.triton_version(), dtype=str(dtype), steps=args.steps, tiny=args.tiny,
-                dynamic_vram=args.dynamic_vram, comfy_kitchen=comfy_kitchen_backends())
+                dynamic_vram=args.dynamic_vram, comfy_kitchen=comfy_kitchen_backends(),
+                pack=os.environ.get("E2E_PACK_ROOT") or "this checkout")
+    if sensitivities:
+        meta["sensitivity"] = sensitivities
     write_report(args, meta, results)
+
 
 
 def comfy_kitchen_backends() -> str:
