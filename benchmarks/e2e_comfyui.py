@@ -364,8 +364,11 @@ GRAPH_SUFFIXES = {"graph": "1", "nograph": "0"}
 ROPE_SUFFIXES = {"rope": "1", "norope": "0"}
 # +split: TRITON_ACCEL_SPLIT_TAIL=1 (the default); +nosplit: 0 (the FP8 Linear's tiles all whole).
 SPLIT_SUFFIXES = {"split": "1", "nosplit": "0"}
-# Calls before the timed steps where step graphs are on: two warm up, the third is recorded.
-GRAPH_WARMUP = 3
+# Calls of our variants before the timed steps: a first step quantises, guards and times
+# attention, the next ones time the Linear call classes, then auto's step check runs four eager
+# steps (ours, ComfyUI's, ours, ComfyUI's) before it settles; with step graphs on, the third
+# call is recorded. The timed steps are the state a sampler settles in.
+GRAPH_WARMUP = 8
 
 
 def dynamo_summary() -> dict:

@@ -46,10 +46,11 @@ STEP_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("triton_accel_st
 # Ours must be at least this much faster: measurement noise must not hand the step a kernel
 # that is not really faster, and a tie costs nothing on ComfyUI's side.
 WIN_MARGIN = 0.03
-ROUNDS = 3
-# Calls per round: enough that one round lasts about TARGET_ROUND_MS, within these bounds.
-MIN_CALLS, MAX_CALLS = 3, 25
-TARGET_ROUND_MS = 2.0
+ROUNDS = 5
+# Calls per round: enough that one round lasts about TARGET_ROUND_MS, within these bounds (a
+# call of tens of microseconds needs dozens in a round to rise above the host's jitter).
+MIN_CALLS, MAX_CALLS = 3, 60
+TARGET_ROUND_MS = 3.0
 # graph mode: the spin ahead of a round lasts at least the host's time to queue the round
 # (cycles at ~2 GHz; an overlong spin costs a little wall time and is never timed).
 SPIN_CYCLES_PER_US = 2000
@@ -117,6 +118,35 @@ def time_calls(fns: dict[str, Callable], device: torch.device, mode: str | None 
 
 def ours_wins(ours_ms: float, theirs_ms: float) -> bool:
     return ours_ms < theirs_ms * (1.0 - WIN_MARGIN)
+
+
+# How many timings auto ran in this process (Linear classes and attention shape classes): the
+# step check (step_check) starts once a whole step ran without a new one.
+_counts = {"measurements": 0}
+_counts_lock = threading.Lock()
+# label -> the step check's last result for that patched model ({"ours_ms", "comfyui_ms", "kept"})
+_step_checks: dict[str, dict] = {}
+
+
+def note_measurement() -> None:
+    with _counts_lock:
+        _counts["measurements"] += 1
+
+
+def measurement_count() -> int:
+    return _counts["measurements"]
+
+
+def note_step_check(label: str | None, result: dict) -> None:
+    if label is not None:
+        with _counts_lock:
+            _step_checks[label] = dict(result)
+
+
+def step_check_of(label: str) -> dict | None:
+    with _counts_lock:
+        result = _step_checks.get(label)
+        return dict(result) if result else None
 
 
 # ---- Linear: one decision per call class, shared by every layer of that class -----------------
@@ -204,6 +234,7 @@ class LinearSpeedChoice:
                 return entry
             with self._lock(str(device)):
                 timings = self._timer({"ours": ours, "theirs": theirs}, device)
+            note_measurement()
             entry = {"ours": ours_wins(timings["ours"], timings["theirs"]), "ours_ms": round(timings["ours"], 5),
                      "theirs_ms": round(timings["theirs"], 5), **about}
             log.info("Triton Accel Linear: %s: ours %.3f ms, ComfyUI's %.3f ms a call (%s) -> %s",

@@ -100,36 +100,59 @@ def hand_back(layer) -> None:
     """ComfyUI's forward in place of our patch, unless the layer serves another class of this step."""
     if layer.won:
         return
-    state = layer.state
-    with state._lock:
-        module = layer.module
-        if module.__dict__.get("forward") is not layer:
-            return  # another node patched over ours: its forward stays as it is
-        module.__dict__["forward"] = layer.previous
-        layer.uninstalled = True
-        for companion, patch in layer.companions:
-            if companion.__dict__.get("forward") is patch:
-                companion.__dict__["forward"] = patch.previous
-        state.changes += 1  # a step graph recorded with our patch in place is stale
+    with layer.state._lock:
+        if put_back(layer):
+            layer.uninstalled = True
+
+
+def put_back(layer) -> bool:
+    """The module's own forward (and its companions') in our patch's place; False where another
+    node patched over ours (its forward stays as it is). Under the state's lock."""
+    module = layer.module
+    if module.__dict__.get("forward") is not layer:
+        return False
+    module.__dict__["forward"] = layer.previous
+    for companion, patch in layer.companions:
+        if companion.__dict__.get("forward") is patch:
+            companion.__dict__["forward"] = patch.previous
+    layer.state.changes += 1  # a step graph recorded with our patch in place is stale
+    return True
 
 
 def reinstall(layer) -> None:
     """Our patch back on a handed-back layer (a new step signature: its new classes get decided)."""
     module = layer.module
-    if layer.uninstalled and module.__dict__.get("forward") is layer.previous:
+    if module.__dict__.get("forward") is layer.previous:
         module.__dict__["forward"] = layer
         for companion, patch in layer.companions:
             if companion.__dict__.get("forward") is patch.previous:
                 companion.__dict__["forward"] = patch
-    layer.uninstalled = False
+    layer.uninstalled = layer.forced_out = False
 
 
 def new_step(state) -> None:
     """A step with a new signature: every handed-back layer gets its patch back for one call."""
     with state._lock:
+        state.forced = False
         for layer in state.layers:
             layer.won.clear()
-            if layer.uninstalled:
+            if layer.uninstalled or layer.forced_out:
+                reinstall(layer)
+        state.changes += 1
+
+
+def force_comfyui(state, on: bool) -> None:
+    """The step check's ComfyUI configuration (on): every layer of the model on its own forward,
+    whatever its classes measured; off: the layers it moved get our patch back."""
+    if state.forced == on:
+        return
+    with state._lock:
+        state.forced = on
+        for layer in state.layers:
+            if on:
+                if put_back(layer):
+                    layer.forced_out = True
+            elif layer.forced_out:
                 reinstall(layer)
         state.changes += 1
 

@@ -185,6 +185,8 @@ class AttentionOverride:
         # auto's answer per call signature (call_signature): ORIGINAL, or the path that serves it.
         # ComfyUI's calls then take no adapter, no registry and no speed-cache lookup.
         self._verdicts: dict = {}
+        # The step check (step_check) runs a step on ComfyUI's attention: every call goes to it.
+        self.force_original = False
         self.token = compiled_ops.register(self)  # what a compiled graph's patched_attention op names it by
 
     def __deepcopy__(self, memo):
@@ -285,7 +287,7 @@ class AttentionOverride:
         # away, or the chosen path without the registry and speed-cache lookups.
         signature = call_signature(args, kwargs) if self._verdicts else None
         verdict = self._verdicts.get(signature) if signature is not None else None
-        if verdict == ORIGINAL:
+        if verdict == ORIGINAL or self.force_original:
             if self.previous is not None:
                 return self.previous(func, *args, **kwargs)
             return func(*args, **kwargs)

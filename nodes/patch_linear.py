@@ -365,6 +365,7 @@ class LinearLayer:
         self.verdicts: dict[tuple, bool] = {}
         self.won: set[tuple] = set()
         self.uninstalled = False
+        self.forced_out = False  # moved aside by the step check's ComfyUI configuration (step_check)
         self.companions: list[tuple[torch.nn.Module, _ModulePatch]] = []
         self.activation_patch: FusedActivation | None = None
 
@@ -446,6 +447,10 @@ class LinearLayer:
         # Called while marked handed back: ComfyUI re-applied our patch (a reload); a decided
         # class puts its forward back below.
         self.uninstalled = False
+        if self.state.forced:  # the step check runs this step on ComfyUI's Linear
+            with self.state._lock:
+                self.forced_out = linear_choice.put_back(self) or self.forced_out
+            return self.previous(*args, **kwargs)
         if self.state.interrupt_check is not None:
             self.state.interrupt_check()  # what ComfyUI's Linear.forward does first (Cancel)
         if self.skip_reason is not None:
@@ -754,6 +759,7 @@ class LinearPatchState:
                                         REASON_STREAMED_PER_CALL_OFF, REASON_DYNAMIC_VRAM_OFF})
         self.speed = speed or call_timing.shared_linear()  # auto's call timing (a seam for tests)
         self._step_signature = None
+        self.forced = False  # the step check runs the step on ComfyUI's Linear (step_check)
         self.backend = backend or default_backend()
         self.label = label
         self.layers: list[LinearLayer] = []

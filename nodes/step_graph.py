@@ -37,6 +37,7 @@ import torch
 
 from ..kernels import cache_registry, env_settings
 from . import call_stats, call_timing, compiled_ops
+from .step_check import StepCheck
 from .speed_choice import guard_failure
 
 log = logging.getLogger("triton_accel")
@@ -243,6 +244,7 @@ class StepGraphs:
         self.failures = 0
         self.refusal: str | None = None  # why this model stays eager for good
         self.pool = None
+        self.check = StepCheck(label)  # eager steps: auto's choices against ComfyUI's, whole steps
         self._base = threading.local()
         self._lock = threading.RLock()
 
@@ -281,22 +283,23 @@ class StepGraphs:
         # What auto's call timing measures in this step (call_timing): GPU time where the step
         # is on its way to a recording that later steps replay, host and GPU time otherwise.
         mode = call_timing.MODE_GRAPH if reason is None else call_timing.MODE_EAGER
-        self._begin_step(args, kwargs, mode)
+        signature = self._begin_step(args, kwargs, mode)
         with call_timing.step_mode(mode):
-            if reason is not None:
-                return self._eager(executor, args, kwargs, reason)
-            return self._graphed(executor, x, args, kwargs)
+            if reason is None:
+                return self._graphed(executor, x, args, kwargs)
+            # An eager step: auto's choices are checked against ComfyUI's on whole steps.
+            return self.check.run(lambda *a, **k: self._eager(executor, a, k, reason), args, kwargs, signature,
+                                  self.linear_states, x.device)
 
-    def _begin_step(self, args, kwargs, mode: str) -> None:
-        """The Linear states' per-step hook, with the step's signature: the shapes of its tensor
-        arguments and the mode (linear_choice puts handed-back layers back when it changes)."""
-        if not self.linear_states:
-            return
+    def _begin_step(self, args, kwargs, mode: str) -> tuple:
+        """The step's signature (the shapes of its tensor arguments and the mode), and the Linear
+        states' per-step hook with it (linear_choice puts handed-back layers back when it changes)."""
         shapes = tuple(a.shape for a in args if isinstance(a, torch.Tensor))
         shapes += tuple((k, v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
         signature = (shapes, mode)
         for state in self.linear_states:
             state.begin_step(signature)
+        return signature
 
     def _graphed(self, executor, x, args, kwargs):
         """A call that may be recorded or replayed."""
