@@ -247,16 +247,23 @@ class LinearSpeedChoice:
         return self._cache.snapshot()
 
 
-_shared: LinearSpeedChoice | None = None
-_shared_lock = threading.Lock()
+class PerProcess:
+    """One instance of `factory`'s making per process, made at first use, from any thread."""
+
+    def __init__(self, factory):
+        self._factory = factory
+        self._value = None
+        self._lock = threading.Lock()
+
+    def __call__(self):
+        with self._lock:
+            if self._value is None:
+                self._value = self._factory()
+            return self._value
 
 
-def shared_linear() -> LinearSpeedChoice:
-    global _shared
-    with _shared_lock:
-        if _shared is None:
-            _shared = LinearSpeedChoice()
-        return _shared
+# The LinearSpeedChoice the patched layers measure with (on the default cache file).
+shared_linear = PerProcess(LinearSpeedChoice)
 
 
 def timing_enabled() -> bool:

@@ -292,17 +292,8 @@ def _row(key: str, entry: dict) -> dict:
     }
 
 
-_shared: SpeedChoice | None = None
-_shared_lock = threading.Lock()
-
-
-def shared() -> SpeedChoice:
-    """The SpeedChoice the patch nodes measure with (one per process, on the default cache file)."""
-    global _shared
-    with _shared_lock:
-        if _shared is None:
-            _shared = SpeedChoice()
-        return _shared
+# The SpeedChoice the patch nodes measure with (one per process, on the default cache file).
+shared = call_timing.PerProcess(SpeedChoice)
 
 
 def speed_summary(speed_choice: SpeedChoice | None = None) -> list[dict]:

@@ -1,11 +1,39 @@
 """ComfyUI runs every node, and so every sampler step, under torch.inference_mode(): the
 layers these tests call run without autograd recording too (a call autograd records goes to
 ComfyUI's Linear: test_patch_linear.py::test_calls_autograd_records_go_to_comfyui)."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+PACK_ROOT = Path(__file__).resolve().parents[2]
+PACK_DIRS = {PACK_ROOT, PACK_ROOT / "nodes", PACK_ROOT / "kernels"}
 
 
 @pytest.fixture(autouse=True)
 def _no_autograd_recording():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture
+def pack_frames():
+    """fn -> the pack's functions ("file:function") entered while fn() runs (sys.setprofile):
+    what proves that a handed-back call runs nothing of ours."""
+    def record(fn) -> list[str]:
+        seen = []
+
+        def profile(frame, event, arg):
+            if event == "call":
+                path = Path(frame.f_code.co_filename)
+                if path.parent in PACK_DIRS:
+                    seen.append(f"{path.name}:{frame.f_code.co_name}")
+
+        sys.setprofile(profile)
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
+        return seen
+    return record

@@ -14,7 +14,6 @@ import logging
 import math
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -334,25 +333,8 @@ def test_auto_inside_a_cuda_graph_capture_uses_what_it_measured_before_or_comfyu
     assert call_stats.snapshot()["calls"] == {"triton": 1} and len(chooser.snapshot()) == 1
 
 
-def _pack_frames(fn) -> list[str]:
-    """The pack's functions (nodes/, kernels/) entered while fn() runs."""
-    root = Path(patch_attention.__file__).resolve().parents[1]
-    dirs, seen = {root, root / "nodes", root / "kernels"}, []
-
-    def profile(frame, event, arg):
-        if event == "call" and Path(frame.f_code.co_filename).parent in dirs:
-            seen.append(frame.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return seen
-
-
 @pytest.mark.parametrize("faster", [False, True])
-def test_a_decided_signature_skips_the_adapter_and_the_speed_cache(monkeypatch, tmp_path, faster):
+def test_a_decided_signature_skips_the_adapter_and_the_speed_cache(monkeypatch, tmp_path, faster, pack_frames):
     """Once auto decided a call signature, ComfyUI's calls go straight to its function (only
     the override's own frames, the compile check and the signature on the way) and ours straight
     to the path."""
@@ -361,7 +343,7 @@ def test_a_decided_signature_skips_the_adapter_and_the_speed_cache(monkeypatch, 
     _call(override)  # timed
     lookups = []
     monkeypatch.setattr(chooser, "known", lambda key: lookups.append(key))
-    frames = _pack_frames(lambda: _call(override, seed=1))
+    frames = [name.split(":")[1] for name in pack_frames(lambda: _call(override, seed=1))]
     assert lookups == []
     if faster:
         assert "adapt_call" in frames and "_usable_paths" not in frames, frames

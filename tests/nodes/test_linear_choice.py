@@ -11,7 +11,6 @@ frame entered during the call; none may belong to the pack's files.
 from __future__ import annotations
 
 import importlib.util
-import sys
 import uuid
 from pathlib import Path
 
@@ -33,8 +32,6 @@ def _fakes():
 
 
 _f = _fakes()
-PACK_ROOT = Path(pl.__file__).resolve().parents[1]
-PACK_DIRS = {PACK_ROOT, PACK_ROOT / "nodes", PACK_ROOT / "kernels"}
 
 
 def _ref_run(x, prepared, bias, out_dtype, activation=None, activation_from=0, activation_out=None):
@@ -96,29 +93,20 @@ def _patched(ours_ms, theirs_ms, tmp_path, min_tokens=4, model=None):
     return patched, state, timer
 
 
-def _pack_frames(fn) -> list[str]:
-    """The pack's functions entered while fn() runs."""
-    seen = []
-
-    def profile(frame, event, arg):
-        if event == "call":
-            path = Path(frame.f_code.co_filename)
-            if path.parent in PACK_DIRS:
-                seen.append(f"{path.name}:{frame.f_code.co_name}")
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return seen
+def _run(patched, steps: int, tokens: int = 8):
+    """The patched model's forward `steps` times on one input; the input."""
+    x, t = _f._inputs(tokens=tokens)
+    with torch.no_grad():
+        for _ in range(steps):
+            patched.model.diffusion_model(x, t)
+    return x, t
 
 
 def _layer(state, name="blocks.0.qkv"):
     return next(layer for layer in state.layers if layer.name == name)
 
 
-def test_comfyui_faster_gives_the_module_its_own_forward_back(tmp_path):
+def test_comfyui_faster_gives_the_module_its_own_forward_back(tmp_path, pack_frames):
     patched, state, timer = _patched(ours_ms=1.0, theirs_ms=0.9, tmp_path=tmp_path)
     model = patched.model.diffusion_model
     x, t = _f._inputs(tokens=8)
@@ -131,11 +119,11 @@ def test_comfyui_faster_gives_the_module_its_own_forward_back(tmp_path):
     assert module.__dict__["forward"] is layer.previous and layer.uninstalled
     assert all(v is False for v in layer.verdicts.values())
     before = call_stats.snapshot()["kinds"]["linear"]
-    frames = _pack_frames(lambda: module(torch.randn(16, module.in_features)))
+    frames = pack_frames(lambda: module(torch.randn(16, module.in_features)))
     assert frames == [], frames  # nothing of ours on the way
     assert call_stats.snapshot()["kinds"]["linear"] == before  # and nothing counted
     with torch.no_grad():
-        frames = _pack_frames(lambda: model(x, t))
+        frames = pack_frames(lambda: model(x, t))
     assert not [f for f in frames if "patch_linear" in f or "linear_choice" in f], frames
 
 
@@ -156,10 +144,7 @@ def test_ours_faster_keeps_the_patch_and_serves(tmp_path):
 def test_a_tie_goes_to_comfyui(tmp_path):
     # within WIN_MARGIN: noise must not hand the step a kernel that is not really faster
     patched, state, _ = _patched(ours_ms=0.99, theirs_ms=1.0, tmp_path=tmp_path)
-    x, t = _f._inputs(tokens=8)
-    with torch.no_grad():
-        patched.model.diffusion_model(x, t)
-        patched.model.diffusion_model(x, t)
+    x, t = _run(patched, 2)
     assert _layer(state).uninstalled
 
 
@@ -176,7 +161,7 @@ def test_one_class_is_timed_once_for_every_layer_of_it(tmp_path):
     assert timer.timed == len(set(classes.values())) > 0
 
 
-def test_too_few_tokens_is_handed_back_for_good_without_timing(tmp_path):
+def test_too_few_tokens_is_handed_back_for_good_without_timing(tmp_path, pack_frames):
     patched, state, timer = _patched(ours_ms=0.5, theirs_ms=1.0, tmp_path=tmp_path, min_tokens=10 ** 6)
     x, t = _f._inputs(tokens=8)
     with torch.no_grad():
@@ -184,7 +169,7 @@ def test_too_few_tokens_is_handed_back_for_good_without_timing(tmp_path):
     assert timer.timed == 0
     assert all(layer.uninstalled for layer in state.layers)
     with torch.no_grad():
-        frames = _pack_frames(lambda: patched.model.diffusion_model(x, t))
+        frames = pack_frames(lambda: patched.model.diffusion_model(x, t))
     assert frames == [], frames
 
 
@@ -255,7 +240,7 @@ def test_a_layer_that_wins_one_class_keeps_its_patch_for_the_other(tmp_path):
     assert torch.equal(out, torch.nn.functional.linear(b, module.weight, module.bias))
 
 
-def test_fused_gelu_goes_back_with_its_layer(tmp_path):
+def test_fused_gelu_goes_back_with_its_layer(tmp_path, pack_frames):
     model = _f.FusableModel()
     timer = SetTimer(1.0, 0.5)
     speed = call_timing.LinearSpeedChoice(tmp_path / "linear.json", timer=timer, supports=lambda device: True)
@@ -273,7 +258,7 @@ def test_fused_gelu_goes_back_with_its_layer(tmp_path):
     assert layer.uninstalled and layer.activation_patch is not None and len(layer.companions) == 2
     assert "forward" not in gelu.__dict__ or not isinstance(gelu.__dict__["forward"], pl.FusedActivation)
     with torch.no_grad():
-        frames = _pack_frames(lambda: model.diffusion_model(x))
+        frames = pack_frames(lambda: model.diffusion_model(x))
     assert frames == [], frames
 
 
@@ -328,9 +313,6 @@ def test_the_model_status_says_what_auto_measured(tmp_path):
     from triton_accel.nodes import status
 
     patched, state, _ = _patched(ours_ms=1.0, theirs_ms=0.5, tmp_path=tmp_path)
-    x, t = _f._inputs(tokens=8)
-    with torch.no_grad():
-        patched.model.diffusion_model(x, t)
-        patched.model.diffusion_model(x, t)
+    x, t = _run(patched, 2)
     entry = next(r for r in status.models_status() if r["label"] == state.label)
     assert any("on ComfyUI's (measured as fast or faster)" in line for line in entry["speed"]), entry["speed"]

@@ -100,7 +100,7 @@ def test_forced_modes_are_never_checked():
     assert set(steps) == {"ours"} and check.kept is None
 
 
-def test_the_check_switches_real_linear_layers(tmp_path):
+def test_the_check_switches_real_linear_layers(tmp_path, pack_frames):
     """force_comfyui moves a patched layer's forward aside and back (linear_choice)."""
     import importlib.util
     from pathlib import Path
@@ -120,6 +120,6 @@ def test_the_check_switches_real_linear_layers(tmp_path):
     linear_choice.force_comfyui(state, True)
     assert layer.module.__dict__["forward"] is layer.previous and layer.forced_out
     with torch.no_grad():
-        assert choice._pack_frames(lambda: patched.model.diffusion_model(x, t)) == []
+        assert pack_frames(lambda: patched.model.diffusion_model(x, t)) == []
     linear_choice.force_comfyui(state, False)
     assert layer.module.__dict__["forward"] is layer and not layer.forced_out
