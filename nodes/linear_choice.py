@@ -77,7 +77,7 @@ def after_served(layer, x: torch.Tensor, streamed: bool, method: str) -> None:
     layer.verdicts[key] = entry["ours"]
     _note(state.label, "ours" if entry["ours"] else "measured")
     if entry["ours"]:
-        layer.won.add(key)
+        layer.won.add(key)  # the layer keeps its patch for good: one of its classes is ours
     else:
         hand_back(layer)
 
@@ -131,11 +131,11 @@ def reinstall(layer) -> None:
 
 
 def new_step(state) -> None:
-    """A step with a new signature: every handed-back layer gets its patch back for one call."""
+    """A step with a new signature: every handed-back layer gets its patch back for one call
+    (a class it already decided goes straight back to ComfyUI's forward)."""
     with state._lock:
         state.forced = False
         for layer in state.layers:
-            layer.won.clear()
             if layer.uninstalled or layer.forced_out:
                 reinstall(layer)
         state.changes += 1

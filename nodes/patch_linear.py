@@ -89,6 +89,7 @@ CALLBACK_KEY = "triton_accel_linear"
 # (benchmark node, benchmarks/RESULTS.md session 17). These calls are modulation and
 # embedding layers (one row per image) and the text streams of Flux / Wan cross-attention.
 MIN_TOKENS = 1024
+MAX_STEP_SIGNATURES = 8  # recent step signatures whose classes stay decided (begin_step)
 # Largest rel. L2 (output vs ComfyUI's Linear on the same input) the quality guard accepts per
 # method. e4m3 keeps 3 mantissa bits: rounding one operand per channel/token gives ~0.024 on
 # Gaussian data (measured on the CPU: fp8_weight_only of a bf16 weight 0.024; both operands,
@@ -359,7 +360,7 @@ class LinearLayer:
         self._steady: tuple | None = None
         # auto's measured choice (linear_choice): per call class (input shape, dtype, step mode),
         # True where ours serves it, False where ComfyUI's forward does; the classes ours won
-        # since the step signature changed; whether ComfyUI's forward is back in our place; and
+        # (a layer with one keeps its patch); whether ComfyUI's forward is back in our place; and
         # the (module, patch) pairs that go with this layer's patch (the GELU our kernel fuses,
         # the Sequential traced as one op), handed back with it.
         self.verdicts: dict[tuple, bool] = {}
@@ -758,7 +759,7 @@ class LinearPatchState:
         self.class_reasons = frozenset({self.few_tokens_reason, REASON_QUANTIZED, REASON_SHAPE,
                                         REASON_STREAMED_PER_CALL_OFF, REASON_DYNAMIC_VRAM_OFF})
         self.speed = speed or call_timing.shared_linear()  # auto's call timing (a seam for tests)
-        self._step_signature = None
+        self._step_signatures: collections.OrderedDict = collections.OrderedDict()  # recent, newest last
         self.forced = False  # the step check runs the step on ComfyUI's Linear (step_check)
         self.backend = backend or default_backend()
         self.label = label
@@ -1017,11 +1018,15 @@ class LinearPatchState:
         return state
 
     def begin_step(self, signature) -> None:
-        """step_graph's hook at each diffusion-model call: a new signature (resolution, batch,
-        step mode) puts handed-back layers' patches back, so their new classes are decided."""
-        if signature != self._step_signature:
-            self._step_signature = signature
-            linear_choice.new_step(self)
+        """step_graph's hook at each diffusion-model call: a signature not seen lately
+        (resolution, batch, step mode; cond and uncond of different shapes alternate two) puts
+        handed-back layers' patches back, so their new classes are decided."""
+        if signature in self._step_signatures:
+            return
+        self._step_signatures[signature] = True
+        while len(self._step_signatures) > MAX_STEP_SIGNATURES:
+            self._step_signatures.popitem(last=False)
+        linear_choice.new_step(self)
 
     # -- lifetime
     def on_load(self, patcher, *args, **kwargs) -> None:

@@ -16,6 +16,7 @@ eager or graph) measures and checks again.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -37,18 +38,27 @@ def _override(kwargs: dict):
     return override if hasattr(override, "force_original") else None
 
 
+MAX_SIGNATURES = 8  # cond and uncond of different shapes alternate: each keeps its own check
+
+
+class _Signature:
+    """The check's state for one step signature."""
+
+    def __init__(self, seen: int):
+        self.phase = -1  # index into PHASES of the running check, -1: not started
+        self.seen = seen  # call_timing.measurement_count() at the start of its last step
+        self.times: dict[str, list[float]] = {"ours": [], "comfyui": []}
+        self.kept: str | None = None  # "ours" / "comfyui" once decided
+        self.result: dict | None = None
+
+
 class StepCheck:
-    """One per patched model (step_graph's wrapper holds it): the A/B state of its current
-    step signature, and what it found."""
+    """One per patched model (step_graph's wrapper holds it): the A/B state of each step
+    signature it runs (a sampler alternates two where cond and uncond differ in shape)."""
 
     def __init__(self, label: str | None = None):
         self.label = label
-        self.signature = None
-        self.phase = -1  # index into PHASES of the running check, -1: not started
-        self.seen = None  # call_timing.measurement_count() at the start of the last step
-        self.times: dict[str, list[float]] = {"ours": [], "comfyui": []}
-        self.kept: str | None = None  # "ours" / "comfyui" once decided for the signature
-        self.result: dict | None = None
+        self.signatures: collections.OrderedDict = collections.OrderedDict()
 
     def __deepcopy__(self, memo):  # clones share it, as they share the diffusion model
         return self
@@ -61,6 +71,10 @@ class StepCheck:
     def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
+    def kept(self, signature) -> str | None:
+        entry = self.signatures.get(signature)
+        return entry.kept if entry is not None else None
+
     def run(self, executor, args, kwargs, signature, linear_states, device: torch.device):
         """The step, timed where the check needs it; the check's configuration applied first.
         Only what auto decides is checked: forced modes are the user's to keep."""
@@ -70,50 +84,52 @@ class StepCheck:
         if override is not None and getattr(override.settings, "mode", None) != "auto":
             override = None
         linear_states = [s for s in linear_states if s.settings.linear_mode == "auto"]
-        if signature != self.signature:
-            self.signature, self.phase, self.kept, self.result = signature, -1, None, None
-            self.times = {"ours": [], "comfyui": []}
-            self.seen = call_timing.measurement_count()
+        entry = self.signatures.get(signature)
+        if entry is None:
+            entry = self.signatures[signature] = _Signature(call_timing.measurement_count())
+            while len(self.signatures) > MAX_SIGNATURES:
+                self.signatures.popitem(last=False)
             self._apply("ours", linear_states, override)
             return executor(*args, **kwargs)
-        if self.kept is not None:
-            self._apply(self.kept, linear_states, override)  # a reload re-applied our patches
+        if entry.kept is not None:
+            self._apply(entry.kept, linear_states, override)  # its own, or a reload re-applied our patches
             return executor(*args, **kwargs)
         count = call_timing.measurement_count()
-        if self.phase < 0:
-            if count != self.seen or not (linear_states or override is not None):
-                self.seen = count  # the last step still measured: wait for one that did not
+        if entry.phase < 0:
+            if count != entry.seen or not (linear_states or override is not None):
+                entry.seen = count  # the last step still measured: wait for one that did not
+                self._apply("ours", linear_states, override)
                 return executor(*args, **kwargs)
-            self.phase = 0
-        config = PHASES[self.phase]
+            entry.phase = 0
+        config = PHASES[entry.phase]
         self._apply(config, linear_states, override)
         self._sync(device)
         t0 = time.perf_counter()
         out = executor(*args, **kwargs)
         self._sync(device)
-        self.times[config].append((time.perf_counter() - t0) * 1e3)
+        entry.times[config].append((time.perf_counter() - t0) * 1e3)
         if call_timing.measurement_count() != count:  # something new was measured in it: start over
-            self.phase, self.seen = -1, call_timing.measurement_count()
-            self.times = {"ours": [], "comfyui": []}
+            entry.phase, entry.seen = -1, call_timing.measurement_count()
+            entry.times = {"ours": [], "comfyui": []}
             self._apply("ours", linear_states, override)
             return out
-        self.phase += 1
-        if self.phase == len(PHASES):
-            self._decide(linear_states, override)
+        entry.phase += 1
+        if entry.phase == len(PHASES):
+            self._decide(entry, linear_states, override)
         return out
 
-    def _decide(self, linear_states, override) -> None:
+    def _decide(self, entry: _Signature, linear_states, override) -> None:
         # Every step with our choices must beat every step on ComfyUI's: an eager step's time
         # moves by several percent with the host from one step to the next, and a step that
         # only sometimes wins is not faster.
-        slowest_ours, ours, theirs = max(self.times["ours"]), min(self.times["ours"]), min(self.times["comfyui"])
-        self.kept = "ours" if slowest_ours < theirs * (1.0 - STEP_MARGIN) else "comfyui"
-        self.result = {"ours_ms": round(ours, 2), "comfyui_ms": round(theirs, 2), "kept": self.kept}
-        self._apply(self.kept, linear_states, override)
+        slowest_ours, ours, theirs = max(entry.times["ours"]), min(entry.times["ours"]), min(entry.times["comfyui"])
+        entry.kept = "ours" if slowest_ours < theirs * (1.0 - STEP_MARGIN) else "comfyui"
+        entry.result = {"ours_ms": round(ours, 2), "comfyui_ms": round(theirs, 2), "kept": entry.kept}
+        self._apply(entry.kept, linear_states, override)
         log.info("Triton Accel%s: whole eager step with auto's choices %.1f ms, with ComfyUI's Linear and attention "
                  "%.1f ms -> %s", f" ({self.label})" if self.label else "", ours, theirs,
-                 "ours kept" if self.kept == "ours" else "ComfyUI's kept for this step signature")
-        call_timing.note_step_check(self.label, self.result)
+                 "ours kept" if entry.kept == "ours" else "ComfyUI's kept for this step signature")
+        call_timing.note_step_check(self.label, entry.result)
 
     @staticmethod
     def _apply(config: str, linear_states, override) -> None:

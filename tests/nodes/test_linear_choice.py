@@ -316,3 +316,19 @@ def test_the_model_status_says_what_auto_measured(tmp_path):
     x, t = _run(patched, 2)
     entry = next(r for r in status.models_status() if r["label"] == state.label)
     assert any("on ComfyUI's (measured as fast or faster)" in line for line in entry["speed"]), entry["speed"]
+
+
+def test_alternating_signatures_do_not_put_the_patches_back_each_step(tmp_path):
+    """cond and uncond of different shapes alternate step signatures: each is new only once."""
+    patched, state, _ = _patched(ours_ms=1.0, theirs_ms=0.5, tmp_path=tmp_path)
+    layer = _layer(state)
+    state.begin_step(("cond",))
+    _run(patched, 2)
+    assert layer.uninstalled
+    state.begin_step(("uncond",))  # new: the patch is back for its classes
+    assert not layer.uninstalled
+    _run(patched, 1)  # a class it decided already: ComfyUI's forward at once
+    assert layer.uninstalled
+    for signature in [("cond",), ("uncond",)] * 3:
+        state.begin_step(signature)
+        assert layer.uninstalled and layer.module.__dict__["forward"] is layer.previous

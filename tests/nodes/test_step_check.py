@@ -68,7 +68,7 @@ def test_the_faster_configuration_keeps_the_step(ours_ms, comfy_ms, kept):
     _steps(check, run, state, override, 8)
     # the first step starts the signature; the second finds no new measurement since and starts A B A B
     assert steps[:5] == ["ours", "ours", "comfyui", "ours", "comfyui"]
-    assert check.kept == kept and steps[5:] == [kept] * 3
+    assert check.kept(("sig",)) == kept and steps[5:] == [kept] * 3
     assert state.forced == (kept == "comfyui") and override.force_original == (kept == "comfyui")
     assert call_timing.step_check_of("Test #1")["kept"] == kept
 
@@ -78,7 +78,7 @@ def test_a_measurement_during_the_check_starts_it_over():
     check = Check()
     run, steps = _executor(state, override, 8, 2, measure_in=3)  # in the first ComfyUI step
     _steps(check, run, state, override, 12)
-    assert check.kept == "comfyui"
+    assert check.kept(("sig",)) == "comfyui"
     assert steps[:6] == ["ours", "ours", "comfyui", "ours", "comfyui", "ours"]  # A B, then A B A B again
 
 
@@ -87,9 +87,28 @@ def test_a_new_signature_checks_again_from_our_choices():
     check = Check()
     run, steps = _executor(state, override, 8, 2)
     _steps(check, run, state, override, 7)
-    assert check.kept == "comfyui" and state.forced
+    assert check.kept(("sig",)) == "comfyui" and state.forced
     _steps(check, run, state, override, 1, signature=("other",))
-    assert steps[-1] == "ours" and check.kept is None and not state.forced
+    assert steps[-1] == "ours" and check.kept(("other",)) is None and not state.forced
+
+
+def test_cond_and_uncond_of_other_shapes_keep_a_check_each():
+    """A sampler alternating two step signatures (cond and uncond of different text lengths)
+    decides each; the configuration switches with the signature of each step."""
+    state, override = State(), Override()
+    check = Check()
+    ran = []
+
+    def run(*args, **kwargs):
+        ran.append(state.forced)
+        return None
+
+    for _ in range(8):
+        for signature in (("cond",), ("uncond",)):
+            check.run(run, (), {"transformer_options": {step_check.OVERRIDE_KEY: override}}, signature, [state], CPU)
+    # stand-in steps take no time: neither configuration beats the other, ComfyUI's keeps both
+    assert check.kept(("cond",)) == "comfyui" and check.kept(("uncond",)) == "comfyui"
+    assert ran[-2:] == [True, True]
 
 
 def test_forced_modes_are_never_checked():
@@ -97,7 +116,7 @@ def test_forced_modes_are_never_checked():
     check = Check()
     run, steps = _executor(state, override, 8, 2)
     _steps(check, run, state, override, 8)
-    assert set(steps) == {"ours"} and check.kept is None
+    assert set(steps) == {"ours"} and check.kept(("sig",)) is None
 
 
 def test_the_check_switches_real_linear_layers(tmp_path, pack_frames):
