@@ -6,7 +6,7 @@
 # cuobjdump / nvdisasm, one ptxas: the lent cards are Hopper), libtriton.so without
 # its debug sections, xz. Triton 3.9.0: 286 MB wheel -> ~51 MB. Unpack there with
 #   python3 -c "import tarfile; tarfile.open('.carry/triton-3.9.0.tar.xz').extractall('/tmp/t39')"
-# and put /tmp/t39 first on PYTHONPATH (benchmarks/gpu_runs.sh carried_39, stages s45c, s45d, s45f).
+# and put /tmp/t39 first on PYTHONPATH (with TRITON_CACHE_DIR pointing at a cache of its own).
 #   bash benchmarks/carry_triton.sh 3.9.0 [python version, default 3.12]
 set -euo pipefail
 cd "$(dirname "$0")/.."

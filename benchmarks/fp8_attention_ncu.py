@@ -4,9 +4,9 @@ prepared operands, so `ncu` reads its hardware counters (pipe use, issue slots, 
     ncu --clock-control none -k regex:_attn_fp8_gluon_fwd --launch-skip 3 --launch-count 1 \\
         --section SpeedOfLight ... python3 benchmarks/fp8_attention_ncu.py --shape flux [--config sm90_lean]
 
-benchmarks/gpu_runs.sh s39e runs it at Flux and Wan sizes and prints the sections. The question
-it answers: where a key tile's ~2350 cycles go when the tensor cores need ~1150 and the MUFU
-pipe ~1024 for its exponentials (RESULTS.md, sessions 36-39): which pipes are busy, how full the
+Run it at Flux and Wan sizes (`--shape flux`, `--shape wan`). The question it answers: where
+a key tile's ~2350 cycles go when the tensor cores need ~1150 and the MUFU
+pipe ~1024 for its exponentials (benchmarks/RESULTS.md): which pipes are busy, how full the
 issue slots are, and what the consumer warps wait on.
 """
 from __future__ import annotations

@@ -213,7 +213,7 @@ def _flash_route(rkey, q, k, v, attn_mask, scale, is_causal, interpreter):
 
 
 # ---- the warp-specialised Gluon BF16/FP16 kernel (sm_90) behind "triton_attention" ----------
-# Measured on the H200 (benchmarks/results/h200_2026-12-02_gluon_bf16_run*): 0.95-1.17x SDPA-cuDNN
+# Measured on the H200 (benchmarks/RESULTS.md): 0.95-1.17x SDPA-cuDNN
 # at Flux/Wan/Hunyuan, head dim 256 and GQA, where the plain-Triton kernel gives 0.53-0.91x.
 # It serves unmasked, non-causal calls whose tensors TMA can read in place; everything else,
 # and every GPU but sm_90, keeps the plain-Triton kernels below.

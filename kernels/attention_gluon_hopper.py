@@ -71,7 +71,7 @@ LOG2_P_SCALE = 8.8073
 # BLOCK_N (also quantize_qkv's key block), ring depth, TWO_LEVEL, registers per thread of
 # the second consumer warpgroup and of the producer warp (setmaxnreg; the default partition,
 # consumer 0, gets what is left of the 64K: 256). Measured on the H200 (Triton 3.6,
-# 2026-12-02, benchmarks/results/h200_2026-12-02_gluon_run*.json), kernel alone, TFLOP/s:
+# 2026-12-02, benchmarks/RESULTS.md), kernel alone, TFLOP/s:
 # "sm90" Wan 778-795, HunyuanVideo 773-797, Flux 696-699; STAGES=3 the same within noise
 # (801 / 777 / 710); "sm90_two_level" 606-611 / 592-608 / 535 with rel. L2 within 1e-4 of
 # one-level on every input (Wan outlier 0.0062 vs 0.0063), so one-level is the default.
@@ -605,7 +605,7 @@ if gluon is not None:
         # explicit ping-pong, turn barriers between the warpgroups, measured 15-20% slower
         # here on the H200: 642 against 770 TFLOP/s at Wan; again in session 38 as the
         # PV_BEHIND / PINGPONG configs, _mainloop_pv_behind). Also measured, none faster (H200,
-        # Triton 3.6, 2026-12-04, benchmarks/results/h200_2026-12-04_s26_gluon_variants*):
+        # Triton 3.6, 2026-12-04, benchmarks/RESULTS.md):
         # - P.V kept one tile behind so that tile j's softmax runs under both Q.K^T(j+1) and
         #   P.V(j-1). With two P tiles live it needs BLOCK_N = 64 (128 spills in 232 registers;
         #   a P.V left running across the back edge makes ptxas serialise every wgmma, C7514),

@@ -60,7 +60,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension, which runs ov
 # Shared memory: Q 2x64xBLOCK_D, K and V rings STAGES x BLOCK_N x BLOCK_D (bf16): 160 KB at
 # d128, 192 KB at d256 (sm_90 allows 227 KB). d64 and d256 compile without spills; only the
 # d128 and d256 configs were timed. Measured on the H200 (Triton 3.6, 2026-12-02, two runs,
-# benchmarks/results/h200_2026-12-02_gluon_bf16_run{1,2}.*), bf16, do_bench median TFLOP/s and
+# benchmarks/RESULTS.md), bf16, do_bench median TFLOP/s and
 # ratio to SDPA-cuDNN in the same run: Flux (1,24,4608,128) 568 / 565 (0.96x / 0.95x), Wan
 # (1,40,32760,128) 624 / 609 (1.14x / 1.17x), HunyuanVideo (1,24,33390,128) 602 / 590 (1.07x /
 # 1.05x), head dim 256 (1,12,4096,256) 637 / 642 (0.95x / 0.96x), GQA 32/8 (1,32,4608,128)

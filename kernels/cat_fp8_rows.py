@@ -5,8 +5,8 @@ pass: Flux's single block feeds its second Linear with
 
 a [B, L, 3072 + 12288] tensor at Flux 1024² that ComfyUI writes (torch's cat: 141 MB read and
 written) and the FP8 Linear then reads again to quantise it (141 MB read, 70 MB written): an H100
-profile of a Flux step spent 4.4 ms of 96.8 in those concatenations (benchmarks/results/
-h100_2026-12-05_s33_call5_kprofile_flux_ours-all.txt). Here one program per row reads both
+profile of a Flux step spent 4.4 ms of 96.8 in those concatenations (benchmarks/
+RESULTS.md). Here one program per row reads both
 pieces once, writes the concatenation (ComfyUI's Linear and our first-call check read it) and
 its e4m3 rows with per-row scales in linear_fp8.quantize_activation's format and bits
 (kernel_common.store_fp8_row_parts), which the FP8 Linear then takes instead of quantising

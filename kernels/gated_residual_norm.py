@@ -6,8 +6,8 @@ result, in one pass: what Wan's block (comfy/ldm/wan/model.py) does after its se
 
 and at its end (addcmul(x, y, e[5]), no norm). There each addcmul broadcasts a [B, 1, C] gate
 over the tokens, which sends torch to its non-vectorised elementwise kernel (0.50 ms a call at
-Wan 2.1 14B's 32760 x 5120 on the H200, benchmarks/results/
-h200_2026-12-04_s25_run2_kprofile_wan_ours-all.txt), and norm3 is torch's affine LayerNorm
+Wan 2.1 14B's 32760 x 5120 on the H200, benchmarks/
+RESULTS.md), and norm3 is torch's affine LayerNorm
 (0.61 ms), reading back what the addcmul just wrote. Here one program reads a row of x and y
 once and writes the new x and, when asked, its LayerNorm.
 

@@ -5,7 +5,7 @@ DiT blocks do before their attention and MLP. Wan's block (comfy/ldm/wan/model.p
 
 runs there as torch's LayerNorm (0.25 ms a call at Wan 2.1 14B's 32760 x 5120 on the H200)
 and a broadcasting addcmul (0.50 ms), each reading and writing the whole activation, twice a
-block (benchmarks/results/h200_2026-12-04_s25_run2_kprofile_wan_ours-all.txt: the addcmuls
+block (benchmarks/RESULTS.md: the addcmuls
 are 80 ms of a 2081 ms step, half of them these). Here one program reads a row once and
 writes the modulated row once.
 

@@ -5,8 +5,8 @@ does to q and k between their Linear and the attention call,
 
 in ComfyUI's model code (comfy/ldm/wan/model.py), as two kernels there: torch's fused RMSNorm
 (0.30 ms a call at Wan 2.1 14B's 32760 x 5120 on the H200) and comfy-kitchen's RoPE (0.54 ms),
-each reading and writing the whole activation (benchmarks/results/
-h200_2026-12-04_s25_run2_kprofile_wan_ours-all.txt: 68 ms of a 2081 ms step). Here one
+each reading and writing the whole activation (benchmarks/
+RESULTS.md: 68 ms of a 2081 ms step). Here one
 program reads a row once, normalises it, rotates each (even, odd) channel pair of each head by
 that token's 2x2 matrix and writes it once.
 

@@ -6,7 +6,7 @@ q and k per head (RMSNorm over D with a learned scale). torch's rms_norm wants a
 input, so ComfyUI's step copies each permuted q / k first and then normalises it with a kernel
 written for long rows, at D = 128: on the H200 those were 8.7 ms (RMSNorm) and part of 6.6 ms
 (copies) of a 116 ms Flux step with our attention and Linear
-(benchmarks/results/h200_2026-12-04_s25_run1_kprofile_flux_ours-all.txt). Here one program
+(benchmarks/RESULTS.md). Here one program
 reads BLOCK_R head rows of q and of k through their strides, normalises them and writes them
 contiguous, [B, H, L, D]: one read and one write of q and k for the whole QKNorm.
 

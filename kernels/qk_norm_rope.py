@@ -9,8 +9,8 @@ attention call,
 model code these are three passes over q and k: the norm (kernels/qk_norm.py already reads the
 permuted views in place), the concatenation of the text and image streams, and comfy-kitchen's
 RoPE kernel; an H100 profile of a Flux 1024² step with the pack spent 2.3 ms in the norm,
-1.6 ms in the concatenations and 3.9 ms in RoPE (benchmarks/results/
-h100_2026-12-05_s33_call5_kprofile_flux_ours-all.txt). Here one program reads BLOCK_R head
+1.6 ms in the concatenations and 3.9 ms in RoPE (benchmarks/
+RESULTS.md). Here one program reads BLOCK_R head
 rows of q and of k once, normalises, rotates and writes them once, at row `offset` of an
 output of any strides: a double block writes the text stream's rows and the image stream's
 rows into one [B, H, L_txt + L_img, D] tensor, no concatenation left.

@@ -1,6 +1,6 @@
 """How the "triton_attention" backend hands calls to the Gluon BF16 kernel (sm_90 only).
 
-The kernel itself needs an H100/H200 (its figures: benchmarks/results/h200_2026-12-02_gluon_bf16_run*);
+The kernel itself needs an H100/H200 (its figures: benchmarks/RESULTS.md);
 here a stand-in module checks the wiring: who is asked, what happens when the kernel fails on
 its first call (logged once, the device keeps the plain-Triton kernel) or after it has run
 (a real error, raised), and the TRITON_ACCEL_GLUON switch.

@@ -3,7 +3,7 @@
 The kernel runs only on sm_90: its numerics are measured on the H200 by
 benchmarks/gluon_attention_bench.py (bf16 rel. L2 vs float32 0.0021-0.0024 and fp16
 0.0003, equal to cuDNN's, at odd lengths, GQA, head dims 40/64/80/128/256 and permuted
-layouts: benchmarks/results/h200_2026-12-02_gluon_bf16_run{1,2}.log); its PTX and SASS are pinned
+layouts: benchmarks/RESULTS.md); its PTX and SASS are pinned
 by tests/compile/test_compile_gluon_hopper_bf16.py. Here: every other device gets a reason,
 the calls it cannot serve (dtype, mask, causal, GQA ratios, head dims, strides TMA cannot
 read in place) are refused with one, and the launcher's host-side pieces (TMA descriptors on

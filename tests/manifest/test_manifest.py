@@ -95,7 +95,7 @@ def test_comfy_node_validate_and_pack(tmp_path):
     # Both commands work on git-tracked files, so run them in a throwaway repository that
     # holds the pack's shipped files, never in the developer's checkout.
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    tracked = sorted(set(tracked) | {"pyproject.toml", "LICENSE", "__init__.py", "requirements.txt"})
+    tracked = sorted(set(tracked) | {"pyproject.toml", "LICENSE", "__init__.py", "requirements.txt", ".comfyignore"})
     for rel in tracked:
         src = ROOT / rel
         if src.is_file():
@@ -114,6 +114,9 @@ def test_comfy_node_validate_and_pack(tmp_path):
     for needed in ("__init__.py", "pyproject.toml", "requirements.txt", "install.py"):
         if needed in tracked:
             assert needed in names
+    # .comfyignore keeps the development files out of the registry archive.
+    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", ".ci/"))]
+    assert any(n.startswith("kernels/") for n in names) and any(n.startswith("nodes/") for n in names)
 
 
 LINES = [l.strip() for l in (ROOT / "requirements.txt").read_text().splitlines()]
