@@ -71,7 +71,7 @@ STATS_ROWS = 512  # rows per stats program of the INT8 quantisation (FP8: QUANT_
 # own scale from its own rows in the quantising pass), and max|q|, K's extrema only rank the
 # outlier channels. V's mean and extrema stay exact: V's per-channel scale must bound every
 # value (a sampled maximum could clip). Q and K are 2/3 of the statistics' bytes.
-# Session 38 (H100, fp8_quant_bench.py --sweep with QK_STRIDE=8, device ms of the three kernels at
+# Measured (H100, fp8_quant_bench.py --sweep with QK_STRIDE=8, device ms of the three kernels at
 # Flux / Wan / HunyuanVideo): 0.089 / 0.863 / 0.553 (QK_STRIDE=1: 0.108 / 1.021 / 0.651);
 # STATS_ROWS=1024 0.089 / 0.818 / 0.516 (half the chunks: the finalising pass 0.042 -> 0.023 ms
 # at Wan); QUANT_WARPS=4 for 128x128 tiles 0.089 / 0.807 / 0.521 (quantising pass 0.627 -> 0.569

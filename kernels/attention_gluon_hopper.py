@@ -78,16 +78,16 @@ LOG2_P_SCALE = 8.8073
 # The loop-shape options (UNROLL, EARLY_RESCALE, PERM_P, ROWSUM_MMA; _mainloop, _softmax_tile
 # and _pv_update say what each removes from a tile, counted in the SASS: 64 register copies,
 # 64 multiplies before P.V, 24 shuffles + 16 selects of P's layout change, 64 row-sum adds)
-# are compile-checked here (tests/compile/test_compile_gluon_hopper.py). On an H100 (session 30,
+# are compile-checked here (tests/compile/test_compile_gluon_hopper.py). On an H100 (2026-12-05,
 # benchmarks/RESULTS.md) "sm90_lean"'s kernel ran 832 / 747 TFLOP/s at Wan / Flux against
 # "sm90"'s 795 / 700, but its quantiser then stored V's permuted keys byte by byte (16 % of the
-# Wan call). With that fixed (session 31, H100): kernel 824 / 748 against 800 / 686, and the
+# Wan call). With that fixed (H100, 2026-12-05): kernel 824 / 748 against 800 / 686, and the
 # Wan 2.1 14B step 1975 ms against 2049 (two fresh processes each, the same accuracy), so
 # "sm90_lean" is the default (default_config). "sm90_lean_rowsum" fails the Gaussian accuracy
 # bar (cosine 0.974 at Wan: e4m3 row sums are too coarse).
 _LOOP_DEFAULTS = dict(UNROLL=1, EARLY_RESCALE=False, PERM_P=False, ROWSUM_MMA=False, POLY_EXP=0, MERGED_EMPTY=False,
                       PV_BEHIND=False, PINGPONG=False, PERSISTENT=False, PV_SPLIT=1)
-# The lean loop (session 31's default): two key tiles a trip, P in wgmma's operand order, the
+# The lean loop (the default): two key tiles a trip, P in wgmma's operand order, the
 # output rescaled early; the variants below are lean plus one option each.
 _LEAN = dict(BLOCK_N=128, STAGES=2, TWO_LEVEL=False, CONSUMER_REGS=232, PRODUCER_REGS=24,
              **dict(_LOOP_DEFAULTS, UNROLL=2, EARLY_RESCALE=True, PERM_P=True))
@@ -111,7 +111,7 @@ GLUON_CONFIGS = {
     # each, and the measured ~2400 says they barely overlap; these move an eighth (a quarter)
     # of the MUFU work to 7 full-rate instructions per element (FMNMX, 3 FADD, 2 FFMA, LEA in
     # the SASS): 8 (16) MUFU.EX2 fewer and 56 (112) more FMA-pipe instructions per thread and
-    # tile, against lean's ~440. Measured slower (H100, session 36, kernel alone): Wan 824 / 779
+    # tile, against lean's ~440. Measured slower (H100, kernel alone): Wan 824 / 779
     # TFLOP/s against lean's 871, Flux 710 / 719 against 746, the same accuracy: the loop is not
     # bound by the MUFU pipe. Kept opt-in for comparisons (TRITON_ACCEL_GLUON_VARIANT).
     "sm90_lean_poly12": dict(_LEAN, POLY_EXP=1),
@@ -127,7 +127,7 @@ GLUON_CONFIGS = {
     # instead of lean's two, and no wgmma crosses the back edge. PINGPONG adds FA3's turn
     # barriers: the two warpgroups issue their MMAs in alternation, so one's softmax can run
     # under the other's MMAs instead of both softmaxes contending for the MUFU pipe at once
-    # and both MMA groups for the tensor cores after. Measured slower on an H100 (session 38,
+    # and both MMA groups for the tensor cores after. Measured slower on an H100 (2026-12-06,
     # kernel alone, TFLOP/s): Wan 811 / 767 against lean's 864, Flux 705 / 729 against 752, the
     # same accuracy. In the SASS (ptxas of Triton 3.6 and 3.9) the wait for P.V(j-1) lands
     # before tile j's exponentials whatever the source order (a softmax that no longer runs
@@ -140,7 +140,7 @@ GLUON_CONFIGS = {
     # and Q double-buffered, so the producer loads the next tile's Q and first key tiles
     # while the consumers finish a tile and write its output. Built to remove a CTA tile's
     # fill and drain, which Flux's speed against Wan's seemed to show (36 key tiles a CTA tile
-    # against 256). Bit-equal to lean everywhere; measured no faster (H100, session 39, kernel
+    # against 256). Bit-equal to lean everywhere; measured no faster (H100, 2026-12-06, kernel
     # alone, TFLOP/s): Flux 746-750 against 746-747, Wan 822-849 against 864-869, HunyuanVideo
     # 801 against 857. Flux's deficit is its last wave instead (gluon_waves_bench.py: 6.55
     # waves at 746, the same 36 key tiles a CTA tile in 9.00 whole waves at 800). Opt-in.
@@ -154,7 +154,7 @@ GLUON_CONFIGS = {
     # idle; a slice's P.V moves tensor-core work into the softmax phase. The slices are a
     # register bit of the accumulator layout (no data moves) and VT8's tile read as column
     # slices of the same shared-memory slot; the SASS shows the slices' wgmmas between the
-    # exponentials. Measured slower (H200, session 43, kernel alone, TFLOP/s): pvsplit4 Flux
+    # exponentials. Measured slower (H200, 2026-12-06, kernel alone, TFLOP/s): pvsplit4 Flux
     # 727, Wan 817, HunyuanVideo 783 against lean's 725-739 / 831-845 / 826-841; pvsplit2
     # 706 / 773 / 783; the same accuracy. The extra wgmma issues and their warpgroup fences
     # cost more than the overlap gains. Opt-in for comparisons. Two slices keep a wider e4m3
@@ -980,7 +980,7 @@ _VARIANT_CONFIGS = {"default": "sm90_lean", "lean": "sm90_lean", "classic": "sm9
 
 
 def default_config(device=None) -> dict:
-    """GLUON_CONFIGS["sm90_lean"] (the measured loop: session 31 on an H100, 3-9 % faster kernels
+    """GLUON_CONFIGS["sm90_lean"] (the measured loop: on an H100, 3-9 % faster kernels
     than "sm90" and 74 ms less per Wan 2.1 14B step), "sm90" under TRITON_ACCEL_GLUON_VARIANT=
     classic, "sm90_lean_rowsum" / "sm90_lean_poly12" / "sm90_lean_poly25" / "sm90_lean_merged" /
     "sm90_pv_behind" / "sm90_pingpong" / "sm90_lean_persistent" under lean_rowsum / lean_poly12 /

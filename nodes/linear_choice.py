@@ -46,8 +46,8 @@ def verdict_key(x: torch.Tensor) -> tuple:
 
 def timing_applies(state, x: torch.Tensor) -> bool:
     """Whether auto decides this layer's calls by measurement here."""
-    return (state.settings.linear_mode == "auto" and not _MEASURING.get() and call_timing.timing_enabled()
-            and state.speed.supports(x.device) and not compiled_ops.STEP_CAPTURE
+    return (state.settings.linear_mode == "auto" and not _MEASURING.get() and state.speed.supports(x.device)
+            and call_timing.timing_enabled() and not compiled_ops.STEP_CAPTURE
             and not compiled_ops.capturing(x) and state.extension_plan(x.device, state_weight(state, x)) is None)
 
 
@@ -212,21 +212,26 @@ def measure(layer, x: torch.Tensor, streamed: bool, method: str) -> dict | None:
 
 
 def model_lines(label: str) -> list[str]:
-    """What auto did with a model's Linear layers, for its node: one line, "" parts left out."""
+    """What auto did with a model's Linear layers and, in eager steps, what the step check found,
+    for its node: a line each, none where nothing was decided."""
     with _models_lock:
         counts = Counter(_model_choices.get(label, ()))
-    if not counts:
-        return []
-    ours, measured = counts.pop("ours", 0), counts.pop("measured", 0)
-    parts = []
-    if ours:
-        parts.append(f"{ours} on ours (measured faster)")
-    if measured:
-        parts.append(f"{measured} on ComfyUI's (measured as fast or faster)")
-    rules = sum(counts.values())
-    if rules:
-        parts.append(f"{rules} on ComfyUI's by rule ({counts.most_common(1)[0][0]}...)")
-    return [f"Linear auto, per layer and call class: {'; '.join(parts)}"]
+    lines = []
+    if counts:
+        ours, measured = counts.pop("ours", 0), counts.pop("measured", 0)
+        parts = []
+        if ours:
+            parts.append(f"{ours} on ours (measured faster)")
+        if measured:
+            parts.append(f"{measured} on ComfyUI's (measured as fast or faster)")
+        if counts:
+            parts.append(f"{sum(counts.values())} on ComfyUI's by rule ({counts.most_common(1)[0][0]}...)")
+        lines.append(f"Linear auto, per layer and call class: {'; '.join(parts)}")
+    check = call_timing.step_check_of(label)
+    if check:
+        lines.append(f"Whole eager step: {check['ours_ms']} ms with auto's choices, {check['comfyui_ms']} ms on "
+                     f"ComfyUI's -> {'ours kept' if check['kept'] == 'ours' else 'ComfyUI kept'}")
+    return lines
 
 
 def measured_rows(limit: int = 64) -> list[dict]:

@@ -71,6 +71,10 @@ def test_the_faster_configuration_keeps_the_step(ours_ms, comfy_ms, kept):
     assert check.kept(("sig",)) == kept and steps[5:] == [kept] * 3
     assert state.forced == (kept == "comfyui") and override.force_original == (kept == "comfyui")
     assert call_timing.step_check_of("Test #1")["kept"] == kept
+    from triton_accel.nodes import linear_choice
+
+    line, = linear_choice.model_lines("Test #1")  # what the model's node shows
+    assert line.startswith("Whole eager step:") and line.endswith("ours kept" if kept == "ours" else "ComfyUI kept")
 
 
 def test_a_measurement_during_the_check_starts_it_over():
