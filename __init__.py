@@ -20,7 +20,7 @@ def _apply_install_config() -> None:
 
     install.py writes triton_accel.json only when the default Triton cache is unusable (a
     non-ASCII or read-only user folder on Windows); a TRITON_CACHE_DIR the user set wins.
-    kernels/install_config.py reads and checks it; it is loaded by path because importing the
+    kernels/core/install_config.py reads and checks it; it is loaded by path because importing the
     ``kernels`` package imports torch and triton, and TRITON_CACHE_DIR must be set before that.
     An invalid value is ignored with a warning; nothing here may stop the pack from loading.
     """
@@ -29,7 +29,7 @@ def _apply_install_config() -> None:
     import sys
 
     pack_dir = os.path.dirname(os.path.abspath(__file__))
-    source = os.path.join(pack_dir, "kernels", "install_config.py")
+    source = os.path.join(pack_dir, "kernels", "core", "install_config.py")
     name = "_triton_accel_install_config"  # private: never clashes with the pack's own package name
     try:
         spec = importlib.util.spec_from_file_location(name, source)
@@ -84,7 +84,7 @@ _EXTENSION_API_NAMES = frozenset({"API_VERSION", "Constraints", "LinearConstrain
 
 def __getattr__(name):
     if name in _EXTENSION_API_NAMES:
-        from .kernels import extensions
+        from .kernels.core import extensions
 
         return getattr(extensions, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

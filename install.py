@@ -16,12 +16,12 @@ plan   a pure function ``plan(facts, options) -> Plan``: findings (severity, mes
        one-line fix) and actions (exact pip command lines, config writes, --fix steps),
        folded from one check per subject (torch, wheels, GPU, CUDA, VC++ runtime, headers,
        cache, config, the Triton package). Every GPU rule and path name comes from
-       kernels/gpu_rules.py, the file the Settings node decides with, so the two agree.
+       kernels/core/gpu_rules.py, the file the Settings node decides with, so the two agree.
 act    runs the actions, then proves the result in a subprocess: import triton, compile
        and run a tiny kernel (on the GPU, or through the Triton interpreter on a CPU-only
        machine) and says which attention path the pack will use.
 
-Rules it keeps: standard library only (kernels/gpu_rules.py and kernels/install_config.py
+Rules it keeps: standard library only (kernels/core/gpu_rules.py and kernels/core/install_config.py
 are stdlib-only and loaded by path, never through the ``kernels`` package); never installs,
 upgrades or downgrades torch (pip always runs with --no-deps); idempotent (a second run has
 nothing to do); ``--dry-run`` changes nothing. A Triton that cannot work is not an install

@@ -1,4 +1,4 @@
-"""GPU check of the FP8 attention kernel (kernels/attention_fp8.py) on sm_89+: accuracy
+"""GPU check of the FP8 attention kernel (kernels/attention/fp8.py) on sm_89+: accuracy
 against a float32 reference and speed against SDPA (default / cuDNN / flash) and our FP16
 Triton kernel. Prints the table last; exit code 1 when an accuracy check fails.
 
@@ -87,7 +87,7 @@ def _pack():
 
     pack = load_pack("triton_accel_fp8check")
     K = importlib.import_module(pack.__name__ + ".kernels")
-    fp8 = importlib.import_module(pack.__name__ + ".kernels.attention_fp8")
+    fp8 = importlib.import_module(pack.__name__ + ".kernels.attention.fp8")
     return K, fp8
 
 

@@ -35,11 +35,11 @@ def main():
             else:
                 q = torch.randn(b, h, lq, d, generator=g, device="cuda", dtype=torch.bfloat16)
                 k, v = (torch.randn(b, h, lk, d, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            kernels.stats.reset()
+            kernels.core.stats.reset()
             out = kernels.attention(q, k, v, backend="triton")
             ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
             rel = ((out.float() - ref).norm() / ref.norm()).item()
-            print(f"{name:10} {layout:11} rel L2 {rel:.2e} kernels {dict(kernels.stats.counts())}", flush=True)
+            print(f"{name:10} {layout:11} rel L2 {rel:.2e} kernels {dict(kernels.core.stats.counts())}", flush=True)
             assert rel < 1e-2, rel
 
 

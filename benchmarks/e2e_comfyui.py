@@ -336,7 +336,7 @@ def patch_ours(base, attention_mode, linear_mode, fuse_activations=True, copy_ac
 def fast_launch_state() -> dict:
     """Whether the kernels' direct launch is still on (a disagreement anywhere turns it off for
     the process, and every later call pays Triton's JIT launch) and how many plans it serves."""
-    dl = sys.modules.get("triton_accel_bench.kernels.direct_launch")
+    dl = sys.modules.get("triton_accel_bench.kernels.core.direct_launch")
     if dl is None:
         return {}
     return {"enabled": bool(dl.ENABLED), "verified_plans": dl.verified_count()}
@@ -346,9 +346,9 @@ COMPILED_SUFFIX = "+compile"
 
 
 def _env_settings_module():
-    # kernels/env_settings.py is stdlib-only (install.py loads it the same way): its list of
+    # kernels/core/env_settings.py is stdlib-only (install.py loads it the same way): its list of
     # variants is read before the pack is loaded, which happens only inside a variant's run.
-    spec = importlib.util.spec_from_file_location("triton_accel_e2e_env_settings", ROOT / "kernels" / "env_settings.py")
+    spec = importlib.util.spec_from_file_location("triton_accel_e2e_env_settings", ROOT / "kernels" / "core" / "env_settings.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

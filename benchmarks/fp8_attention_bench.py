@@ -1,4 +1,4 @@
-"""Full-FP8 attention (kernels/attention_fp8_full.py) on a GPU: accuracy and speed.
+"""Full-FP8 attention (kernels/attention/fp8_full.py) on a GPU: accuracy and speed.
 
     python benchmarks/fp8_attention_bench.py [--out DIR] [--sweep] [--shapes flux,wan,hunyuan]
 
@@ -29,8 +29,8 @@ from _profile import device_ms_per_kernel  # noqa: E402
 pack = load_pack()
 import importlib  # noqa: E402
 
-full = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_full")
-quant = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_quant")
+full = importlib.import_module(pack.__name__ + ".kernels.attention.fp8_full")
+quant = importlib.import_module(pack.__name__ + ".kernels.attention.fp8_quant")
 
 SHAPES = {"flux": (1, 24, 4608, 128), "wan": (1, 40, 32760, 128), "hunyuan": (1, 24, 33390, 128)}
 SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, TWO_LEVEL=two) for bm, bn, w, s, two in (

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load import load_pack  # noqa: E402
 
 pack = load_pack()
-full = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_full")
-glu = importlib.import_module(pack.__name__ + ".kernels.attention_gluon_hopper")
+full = importlib.import_module(pack.__name__ + ".kernels.attention.fp8_full")
+glu = importlib.import_module(pack.__name__ + ".kernels.attention.gluon_hopper")
 
 SHAPES = {"flux": (1, 24, 4608, 128), "wan": (1, 40, 32760, 128), "flux_whole_waves": (1, 33, 4608, 128)}
 

@@ -3,7 +3,7 @@
     python benchmarks/fp8_quant_bench.py [--out DIR] [--shapes flux,wan,hunyuan] [--iters N] [--sweep]
 
 Per shape (random bf16 inputs with outlier channels, never zeros):
-1. device time of each kernel of kernels.attention_fp8_quant.quantize_qkv (stats, finalize,
+1. device time of each kernel of kernels.attention.fp8_quant.quantize_qkv (stats, finalize,
    quantise, V-mean fix) from torch.profiler over --iters calls, with the bytes each one must move and
    the bandwidth that gives, beside a plain device copy of Q (read + write) as the ceiling;
 2. do_bench medians of quantize_qkv (with and without the outlier side operands, and with
@@ -30,8 +30,8 @@ from _load import load_pack  # noqa: E402
 from _profile import device_ms_per_kernel  # noqa: E402
 
 pack = load_pack()
-quant = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_quant")
-glu = importlib.import_module(pack.__name__ + ".kernels.attention_gluon_hopper")
+quant = importlib.import_module(pack.__name__ + ".kernels.attention.fp8_quant")
+glu = importlib.import_module(pack.__name__ + ".kernels.attention.gluon_hopper")
 
 SHAPES = {"flux": (1, 24, 4608, 128), "wan": (1, 40, 32760, 128), "hunyuan": (1, 24, 33390, 128)}
 # --sweep: quantize_qkv launch shapes (QUANT_TUNING keys) timed per kernel.

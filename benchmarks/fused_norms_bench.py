@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load import load_pack  # noqa: E402
 
 pack = load_pack()
-lnm = importlib.import_module(pack.__name__ + ".kernels.layer_norm_modulate")
-nr = importlib.import_module(pack.__name__ + ".kernels.norm_rope")
-qkn = importlib.import_module(pack.__name__ + ".kernels.qk_norm")
-grn = importlib.import_module(pack.__name__ + ".kernels.gated_residual_norm")
+lnm = importlib.import_module(pack.__name__ + ".kernels.fused.layer_norm_modulate")
+nr = importlib.import_module(pack.__name__ + ".kernels.fused.norm_rope")
+qkn = importlib.import_module(pack.__name__ + ".kernels.fused.qk_norm")
+grn = importlib.import_module(pack.__name__ + ".kernels.fused.gated_residual_norm")
 
 # name -> (tokens, heads, head_dim): Wan 2.1 14B at 480p x 81 frames, 1.3B at the same size;
 # Flux at 1024x1024 (4096 image tokens; the QK norm alone: Flux's blocks are not Wan's).
@@ -159,7 +159,7 @@ def run_shape(name, tokens, heads, head_dim, device, bench):
     # norm2 after the cross-attention: x + y, then LayerNorm + modulation, and (e4m3 rows) what
     # the FFN's FP8 Linear reads: before session 32 torch's add, our LayerNorm + modulation and
     # the Linear's own quantisation; now one pass writing x, the output and its e4m3 rows.
-    lf = importlib.import_module(pack.__name__ + ".kernels.linear_fp8")
+    lf = importlib.import_module(pack.__name__ + ".kernels.linear.fp8")
 
     def before_norm2():
         h = x + y

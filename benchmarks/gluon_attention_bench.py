@@ -1,5 +1,5 @@
 """The Gluon warp-specialised attention kernels on an sm_90 GPU: FP8
-(kernels/attention_gluon_hopper.py) and BF16/FP16 (kernels/attention_gluon_hopper_bf16.py).
+(kernels/attention/gluon_hopper.py) and BF16/FP16 (kernels/attention/gluon_hopper_bf16.py).
 
     python benchmarks/gluon_attention_bench.py [--out DIR] [--shapes flux,wan,hunyuan,sd3]
                                                 [--configs sm90,sm90_two_level] [--rep MS]
@@ -44,10 +44,10 @@ from _accuracy import metrics, reference  # noqa: E402
 from _load import load_pack  # noqa: E402
 
 pack = load_pack()
-full = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_full")
-glu = importlib.import_module(pack.__name__ + ".kernels.attention_gluon_hopper")
-glb = importlib.import_module(pack.__name__ + ".kernels.attention_gluon_hopper_bf16")
-attn = importlib.import_module(pack.__name__ + ".kernels.attention")
+full = importlib.import_module(pack.__name__ + ".kernels.attention.fp8_full")
+glu = importlib.import_module(pack.__name__ + ".kernels.attention.gluon_hopper")
+glb = importlib.import_module(pack.__name__ + ".kernels.attention.gluon_hopper_bf16")
+attn = importlib.import_module(pack.__name__ + ".kernels.attention.dispatch")
 
 SHAPES = {"flux": (1, 24, 4608, 128), "wan": (1, 40, 32760, 128), "hunyuan": (1, 24, 33390, 128),
           "sd3": (2, 24, 4429, 64)}

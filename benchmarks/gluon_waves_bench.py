@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load import load_pack  # noqa: E402
 
 pack = load_pack()
-full = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_full")
-glu = importlib.import_module(pack.__name__ + ".kernels.attention_gluon_hopper")
+full = importlib.import_module(pack.__name__ + ".kernels.attention.fp8_full")
+glu = importlib.import_module(pack.__name__ + ".kernels.attention.gluon_hopper")
 
 # (heads, length): Flux's 24 heads at 4608 and longer; whole-wave head counts at 4608 (33 and 66
 # on 132 SMs); Flux's head count with 2 and 4 times the keys.

@@ -71,7 +71,7 @@ def run_case(i: int) -> dict:
 
     pack = load_pack()
     K = importlib.import_module(pack.__name__ + ".kernels")
-    at = importlib.import_module(pack.__name__ + ".kernels.attention_triton")
+    at = importlib.import_module(pack.__name__ + ".kernels.attention.flash")
     name, B, H, Hkv, Lq, Lk, D, dt, mask, causal, layout, extra = CASES[i]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
     dev = os.environ.get("GPU_CHECK_DEVICE", "cuda")
@@ -110,7 +110,7 @@ def run_case(i: int) -> dict:
     ref = K.attention_ref(q, k, v, m, None, causal)
     res = {"case": name, "config": cfg}
     res["fast_equal"] = bool(torch.equal(out_fast, out_api))
-    dl = importlib.import_module(pack.__name__ + ".kernels.direct_launch")
+    dl = importlib.import_module(pack.__name__ + ".kernels.core.direct_launch")
     res["fast_launch"] = bool(dl.ENABLED) and dl.verified_count() > 0
     for tag, o in (("cfg", out_cfg), ("api", out_api)):
         o = o.float()

@@ -15,7 +15,7 @@ figure this machine can measure.
 
 Prints a table of microseconds per call, then cProfile's top functions for the patched
 Linear layer's call (the node path ComfyUI runs) and for the FP8 attention call; writes
-host_overhead.json under --out (default $OUT or .). First it checks that kernels.linear's
+host_overhead.json under --out (default $OUT or .). First it checks that kernels.linear.dispatch's
 DirectCall (repeating an earlier call's launches) gives the checked path's output bit for bit
 on Flux shapes, with bias, GELU epilogue, fp16/fp32 outputs and an unaligned bias; exit
 code 1 when one does not.
@@ -42,7 +42,7 @@ from _load import load_pack  # noqa: E402
 
 pack = load_pack()
 kernels = importlib.import_module(pack.__name__ + ".kernels")
-lf = importlib.import_module(pack.__name__ + ".kernels.linear_fp8")
+lf = importlib.import_module(pack.__name__ + ".kernels.linear.fp8")
 pl = importlib.import_module(pack.__name__ + ".nodes.patch_linear")
 settings_mod = importlib.import_module(pack.__name__ + ".nodes.settings")
 pa = importlib.import_module(pack.__name__ + ".nodes.patch_attention")
@@ -91,8 +91,8 @@ DIRECT_CASES = [
 
 def direct_call_agreement(gen) -> list[dict]:
     """Every DirectCall output equals the checked path's bit for bit (both run the same compiled
-    kernels) and the DirectCall really served (kernels.stats' linear_direct_call)."""
-    L = importlib.import_module(pack.__name__ + ".kernels.linear")
+    kernels) and the DirectCall really served (kernels.core.stats' linear_direct_call)."""
+    L = importlib.import_module(pack.__name__ + ".kernels.linear.dispatch")
     results = []
     for name, lead, k, n, bias_kind, act_from, out_dtype, in_dtype, *copy in DIRECT_CASES:
         x = torch.randn(*lead, k, device="cuda", generator=gen).to(in_dtype)
@@ -104,14 +104,14 @@ def direct_call_agreement(gen) -> list[dict]:
             bias = raw[1:] if bias_kind == "misaligned" else raw[:n].clone()
         prepared = kernels.prepare_weight(w.to(in_dtype), "fp8_w8a8")
         kw = dict(activation="gelu_tanh", activation_from=act_from) if act_from is not None else {}
-        kernels.stats.reset()
+        kernels.core.stats.reset()
         outs, copies = [], []
         for _ in range(4):
             if copy:
                 copies.append(torch.empty((*lead, n - act_from), dtype=out_dtype, device="cuda"))
                 kw["activation_out"] = copies[-1]
             outs.append(kernels.linear(x, prepared, bias, out_dtype=out_dtype, **kw))
-        served = kernels.stats.counts().get(L.DIRECT_COUNTER, 0)
+        served = kernels.core.stats.counts().get(L.DIRECT_COUNTER, 0)
         act = lf.ACTIVATIONS["gelu_tanh"] if act_from is not None else 0
         checked = lf.run_linear(x.reshape(-1, k), prepared.weight, prepared.scale, bias, 0, out_dtype, act=act,
                                 act_from=act_from or 0).view(*lead, n)
@@ -239,11 +239,11 @@ def main():
     with torch.no_grad():
         agreement = direct_call_agreement(gen)
         # The node path (the module's Parameter bias, the fused GELU) takes the DirectCall too.
-        L = importlib.import_module(pack.__name__ + ".kernels.linear")
-        kernels.stats.reset()
+        L = importlib.import_module(pack.__name__ + ".kernels.linear.dispatch")
+        kernels.core.stats.reset()
         for _ in range(3):
             layer(x), fused(x)
-        node_direct = kernels.stats.counts().get(L.DIRECT_COUNTER, 0)
+        node_direct = kernels.core.stats.counts().get(L.DIRECT_COUNTER, 0)
         agreement.append(dict(case="LinearLayer node path (plain, fused GELU), calls 2-4", direct_served=node_direct,
                               ok=node_direct >= 4))
         print(agreement[-1], flush=True)

@@ -1,4 +1,4 @@
-"""INT8 Q.K attention with FP16-accumulated P.V (kernels/attention_int8.py) on a GPU: accuracy
+"""INT8 Q.K attention with FP16-accumulated P.V (kernels/attention/int8.py) on a GPU: accuracy
 and speed, beside SDPA cuDNN / flash, our BF16 kernel and the full-FP8 kernel.
 
     python benchmarks/int8_attention_bench.py [--out DIR] [--shapes flux,wan,hunyuan] [--sweep]
@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load import load_pack  # noqa: E402
 
 pack = load_pack()
-int8 = importlib.import_module(pack.__name__ + ".kernels.attention_int8")
-quant = importlib.import_module(pack.__name__ + ".kernels.attention_int8_quant")
-full = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_full")
-at = importlib.import_module(pack.__name__ + ".kernels.attention_triton")
+int8 = importlib.import_module(pack.__name__ + ".kernels.attention.int8")
+quant = importlib.import_module(pack.__name__ + ".kernels.attention.int8_quant")
+full = importlib.import_module(pack.__name__ + ".kernels.attention.fp8_full")
+at = importlib.import_module(pack.__name__ + ".kernels.attention.flash")
 
 SHAPES = {"flux": (1, 24, 4608, 128), "wan": (1, 40, 32760, 128), "hunyuan": (1, 24, 33390, 128)}
 SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s) for bm, bn, w, s in (

@@ -43,10 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load import load_pack  # noqa: E402
 
 pack = load_pack()
-lf = importlib.import_module(pack.__name__ + ".kernels.linear_fp8")
-lref = importlib.import_module(pack.__name__ + ".kernels.linear_ref")
+lf = importlib.import_module(pack.__name__ + ".kernels.linear.fp8")
+lref = importlib.import_module(pack.__name__ + ".kernels.linear.ref")
 kernels = importlib.import_module(pack.__name__ + ".kernels")
-linear_int8 = importlib.import_module(pack.__name__ + ".kernels.linear_int8")
+linear_int8 = importlib.import_module(pack.__name__ + ".kernels.linear.int8")
 
 # name -> (M tokens, K in_features, N out_features)
 SHAPES = {

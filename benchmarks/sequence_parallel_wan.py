@@ -48,7 +48,7 @@ from _load import load_pack  # noqa: E402
 
 pack = load_pack()
 kernels = importlib.import_module(pack.__name__ + ".kernels")
-sp = importlib.import_module(pack.__name__ + ".kernels.sequence_parallel")
+sp = importlib.import_module(pack.__name__ + ".kernels.attention.sequence_parallel")
 
 SHAPES = {"wan": (1, 40, 32760, 128), "tiny": (1, 4, 128, 32)}
 

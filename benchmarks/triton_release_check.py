@@ -116,8 +116,8 @@ def run():
     from _load import load_pack
     pack = load_pack()
     K = importlib.import_module(pack.__name__ + ".kernels")
-    kc = importlib.import_module(pack.__name__ + ".kernels.kernel_common")
-    full = importlib.import_module(pack.__name__ + ".kernels.attention_fp8_full")
+    kc = importlib.import_module(pack.__name__ + ".kernels.core.kernel_common")
+    full = importlib.import_module(pack.__name__ + ".kernels.attention.fp8_full")
     if ARGS.unpinned:
         kc.LAUNCH_OPTIONS.clear()  # every launch site spreads this dict: now they pass nothing
     import triton
@@ -225,10 +225,10 @@ def run():
         sync()
 
     # 4. row kernels
-    lnm = importlib.import_module(pack.__name__ + ".kernels.layer_norm_modulate")
-    grn = importlib.import_module(pack.__name__ + ".kernels.gated_residual_norm")
-    qkn = importlib.import_module(pack.__name__ + ".kernels.qk_norm")
-    cat = importlib.import_module(pack.__name__ + ".kernels.cat_fp8_rows")
+    lnm = importlib.import_module(pack.__name__ + ".kernels.fused.layer_norm_modulate")
+    grn = importlib.import_module(pack.__name__ + ".kernels.fused.gated_residual_norm")
+    qkn = importlib.import_module(pack.__name__ + ".kernels.fused.qk_norm")
+    cat = importlib.import_module(pack.__name__ + ".kernels.linear.cat_fp8_rows")
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     c = ROWS["channels"]
     x = (torch.randn(1, ROWS["tokens"], c, device=DEVICE, generator=gen) * 3).to(torch.bfloat16)

@@ -5,7 +5,7 @@ package name is whatever folder ComfyUI Manager cloned it into, and nothing of t
 importable when install.py runs), so the modules import each other relatively and use the
 standard library only.
 
-common   the pack folder, kernels/gpu_rules.py and kernels/install_config.py (loaded by
+common   the pack folder, kernels/core/gpu_rules.py and kernels/core/install_config.py (loaded by
          path), shared names and text helpers
 pe       the PE file version reader (VC++ runtime DLLs)
 model    the data: Facts, Finding, Action, Target, Blocker, Plan, Options, Check, Result

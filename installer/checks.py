@@ -1,7 +1,7 @@
 """plan: a pure function of the facts. One check per subject (torch, wheels, GPU, CUDA, VC++
 runtime, headers, build environment, shadows, cache, config, the Triton package) finds what is
 wrong, says how to fix it and which actions install.py takes; fold() makes one Plan of them and
-names the attention path auto takes, from kernels/gpu_rules.py as the Settings node does."""
+names the attention path auto takes, from kernels/core/gpu_rules.py as the Settings node does."""
 from __future__ import annotations
 
 import ntpath
@@ -372,7 +372,7 @@ def check_triton_cache(f: Facts) -> Check:
 
 
 def check_config(f: Facts) -> Check:
-    """triton_accel.json values the pack ignores (kernels/install_config.py says why)."""
+    """triton_accel.json values the pack ignores (kernels/core/install_config.py says why)."""
     c = Check()
     for problem in f.config_problems:
         c.add("CONFIG_INVALID", "warning", f"{problem}: the pack ignores it and uses Triton's default cache.",

@@ -1,8 +1,8 @@
 """What every installer module shares: the pack folder, the two stdlib-only pack files loaded
 by path, the Windows names both the probe and the checks use, and small text helpers.
 
-kernels/gpu_rules.py is the one rules file the Settings node decides with too, so install.py
-and the node agree; kernels/install_config.py reads and checks triton_accel.json. Both are
+kernels/core/gpu_rules.py is the one rules file the Settings node decides with too, so install.py
+and the node agree; kernels/core/install_config.py reads and checks triton_accel.json. Both are
 loaded by path, never through the ``kernels`` package (which imports torch and triton).
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ def _load_sibling(relative_path: str, name: str):
     return module
 
 
-gpu_rules = _load_sibling("kernels/gpu_rules.py", "_triton_accel_gpu_rules")
-install_config = _load_sibling("kernels/install_config.py", "_triton_accel_install_config")
+gpu_rules = _load_sibling("kernels/core/gpu_rules.py", "_triton_accel_gpu_rules")
+install_config = _load_sibling("kernels/core/install_config.py", "_triton_accel_install_config")
 
 CONFIG_NAME = install_config.CONFIG_NAME  # the pack's per-machine settings (docs/install.md)
 CONFIG_KEY_CACHE = install_config.KEY_CACHE_DIR  # folder for TRITON_CACHE_DIR when the env var is unset

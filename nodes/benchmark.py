@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from .. import kernels
-from ..kernels import extensions
-from ..kernels.gpu_rules import PATH_PYTORCH
+from ..kernels.core import extensions
+from ..kernels.core.gpu_rules import PATH_PYTORCH
 from .benchmark_chart import chart_backend, draw_chart, png_bytes
 from .benchmark_core import ShapeRecorder, attention_shape_of, report_text, run_benchmark, sdpa_attention
 from .patch_attention import OVERRIDE_KEY, Unsupported, adapt_call, timed_on

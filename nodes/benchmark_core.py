@@ -24,8 +24,8 @@ from typing import Callable, Optional
 import torch
 
 from .. import kernels
-from ..kernels import extensions
-from ..kernels.gpu_rules import BACKEND_OF_PATH, LINEAR_LABEL, PATH_LABEL
+from ..kernels.core import extensions
+from ..kernels.core.gpu_rules import BACKEND_OF_PATH, LINEAR_LABEL, PATH_LABEL
 from .patch_linear import EXT_GUARD_MAX_REL_L2, GUARD_MAX_REL_L2, MIN_TOKENS, SKIP_AUTO, SkipPatterns
 from .speed_choice import LOSSLESS_BAR, agreement, agreement_bar, agrees
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import env_settings
-from ..kernels.json_cache import JsonCache
+from ..kernels.core import env_settings
+from ..kernels.core.json_cache import JsonCache
 
 log = logging.getLogger("triton_accel.nodes.call_timing")  # not __name__: the clone's folder name
 

@@ -6,7 +6,7 @@ happen on a first call, which a trace never really makes) and break the graph at
 exceptions. So a traced call records one opaque custom op that names the patch object by an
 integer token; at run time the op runs that object's eager path on real tensors.
 
-The token -> object table is process-wide (kernels.stats.shared(): the ops are registered by
+The token -> object table is process-wide (kernels.core.stats.shared(): the ops are registered by
 the first copy of the pack imported and serve every copy's objects) and weak, so a compiled
 graph never keeps a model alive; a graph that outlives its model raises with the reason.
 """
@@ -16,7 +16,7 @@ import itertools
 import logging
 import weakref
 
-from ..kernels import stats
+from ..kernels.core import stats
 
 log = logging.getLogger("triton_accel")
 

@@ -1,4 +1,4 @@
-"""Probe the facts of one device (what kernels/gpu_rules.py decides from). Cached per device."""
+"""Probe the facts of one device (what kernels/core/gpu_rules.py decides from). Cached per device."""
 from __future__ import annotations
 
 import threading
@@ -6,10 +6,10 @@ import threading
 import torch
 
 from .. import kernels
-from ..kernels import cache_registry
-from ..kernels import selfcheck
-from ..kernels.attention import fp8_kernels_available
-from ..kernels.gpu_rules import BACKEND_OF_PATH, Facts
+from ..kernels.core import cache_registry
+from ..kernels.core import selfcheck
+from ..kernels.attention.dispatch import fp8_kernels_available
+from ..kernels.core.gpu_rules import BACKEND_OF_PATH, Facts
 
 _cache: dict[str, Facts] = {}
 _lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""How another node pack reaches kernels/extensions.py (register_attention, register_linear),
+"""How another node pack reaches kernels/core/extensions.py (register_attention, register_linear),
 whatever our folder name and load order.
 
 ComfyUI imports each custom-node folder as a module named after the folder, so ours may be
@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from ..kernels import extensions
+from ..kernels.core import extensions
 
 log = logging.getLogger("triton_accel")
 

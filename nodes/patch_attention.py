@@ -20,11 +20,11 @@ import torch
 
 from .. import __version__ as PACK_VERSION
 from .. import kernels
-from ..kernels import env_settings, extensions
+from ..kernels.core import env_settings, extensions
 from . import call_stats, call_timing, compiled_ops, patch_fused_norms, step_graph
 from .device_probe import probe
-from ..kernels.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
-from ..kernels.registry import BackendUnavailableError
+from ..kernels.core.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
+from ..kernels.core.registry import BackendUnavailableError
 from .settings import SEARCH_ALIASES, SETTINGS_TYPE, AccelSettings, patched_model_text
 from .speed_choice import ORIGINAL, SpeedChoice, note_model_device, shape_class
 from .speed_choice import shared as shared_speed_choice
@@ -193,7 +193,7 @@ class AttentionOverride:
         return self
 
     def _auto_extensions(self, device: torch.device) -> tuple[str, ...]:
-        """Other packs' attention (kernels/extensions.py) that auto times here, by priority: only
+        """Other packs' attention (kernels/core/extensions.py) that auto times here, by priority: only
         in auto, only where auto times (it must prove itself faster and in agreement first), only
         those whose constraints admit the device."""
         if self.settings.mode != "auto" or not timed_on(device):

@@ -1,6 +1,6 @@
 """Fused norms: the elementwise work around attention and the MLP in one pass each, through
-kernels/layer_norm_modulate.py, kernels/norm_rope.py, kernels/gated_residual_norm.py (Wan's
-attention blocks) and kernels/qk_norm.py (the QKNorm of every model built from
+kernels/fused/layer_norm_modulate.py, kernels/fused/norm_rope.py, kernels/fused/gated_residual_norm.py (Wan's
+attention blocks) and kernels/fused/qk_norm.py (the QKNorm of every model built from
 comfy/ldm/flux/layers.py: Flux, Chroma, HunyuanVideo...: q and k normalised per head in one
 launch, read through the permuted views ComfyUI hands it, instead of a copy and an RMSNorm
 each).
@@ -70,18 +70,18 @@ import types
 
 import torch
 
-from ..kernels import env_settings
-from ..kernels.cat_fp8_rows import CatRowsInputError, cat_fp8_rows
-from ..kernels.gated_residual_norm import (GatedResidualInputError, gated_residual, gated_residual_layer_norm,
+from ..kernels.core import env_settings
+from ..kernels.linear.cat_fp8_rows import CatRowsInputError, cat_fp8_rows
+from ..kernels.fused.gated_residual_norm import (GatedResidualInputError, gated_residual, gated_residual_layer_norm,
                                            gated_residual_layer_norm_rows)
-from ..kernels.kernel_common import fp8_device_refusal
-from ..kernels.layer_norm_modulate import LayerNormModulateInputError, residual_layer_norm_modulate
-from ..kernels.layer_norm_modulate import refusal as layer_norm_modulate_refusal
-from ..kernels.linear_fp8 import quantize_once
-from ..kernels.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
-from ..kernels.norm_rope import refusal as norm_rope_refusal
-from ..kernels.qk_norm import QKNormInputError, qk_rms_norm
-from ..kernels.qk_norm_rope import QKNormRopeInputError, qk_rms_norm_rope
+from ..kernels.core.kernel_common import fp8_device_refusal
+from ..kernels.fused.layer_norm_modulate import LayerNormModulateInputError, residual_layer_norm_modulate
+from ..kernels.fused.layer_norm_modulate import refusal as layer_norm_modulate_refusal
+from ..kernels.linear.fp8 import quantize_once
+from ..kernels.fused.norm_rope import NormRopeInputError, freqs_table, rms_norm_rope
+from ..kernels.fused.norm_rope import refusal as norm_rope_refusal
+from ..kernels.fused.qk_norm import QKNormInputError, qk_rms_norm
+from ..kernels.fused.qk_norm_rope import QKNormRopeInputError, qk_rms_norm_rope
 from . import call_stats
 from .patch_linear import LinearLayer, guard_failure, module_attr
 
@@ -446,7 +446,7 @@ def _is_own_forward(module: torch.nn.Module, class_name: str, module_name: str =
 
 class FusedQKNorm(_GuardedPatch):
     """The object patch of one QKNorm's forward(q, k, v): both per-head RMSNorms in one
-    kernel (kernels/qk_norm.py) reading the permuted q / k views as they are."""
+    kernel (kernels/fused/qk_norm.py) reading the permuted q / k views as they are."""
 
     PATH = PATH_QK
 
@@ -682,7 +682,7 @@ class FusedFluxDoubleBlock(_FusedFluxBlock):
 
 def _cat_with_rows(attn: torch.Tensor, mlp: torch.Tensor, want_rows: bool):
     """(torch.cat((attn, mlp), 2), its FP8 Linear e4m3 rows or None): both from one pass of
-    kernels/cat_fp8_rows.py where the rows are wanted and the kernel takes the call."""
+    kernels/linear/cat_fp8_rows.py where the rows are wanted and the kernel takes the call."""
     if want_rows:
         try:
             return cat_fp8_rows(attn, mlp)
@@ -740,7 +740,7 @@ def _rope_refusal(block, norms: tuple, pe, enabled: bool = True) -> str | None:
 def _rope_attention(block, parts: list, v: torch.Tensor, pe: torch.Tensor, mask, transformer_options: dict):
     """What comfy.ldm.flux.math.attention computes for q = cat(q_i), k = cat(k_i) of `parts`
     [(QKNorm module, q_i, k_i)] (in sequence order, each not yet normalised) and v, with each
-    part's QKNorm and the RoPE in one kernel (kernels/qk_norm_rope.py) writing its rows into one
+    part's QKNorm and the RoPE in one kernel (kernels/fused/qk_norm_rope.py) writing its rows into one
     q and one k of [B, L, H, D] memory: no concatenation, no RoPE pass, and an attention output
     whose [B, L, H * D] form is a view (torch's SDPA and our kernels allocate it in q's layout).
     Raises QKNormRopeInputError for a call the kernel cannot serve, before anything runs."""

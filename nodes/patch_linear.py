@@ -47,7 +47,7 @@ How, and why this way:
   arguments, a call autograd records and a call with a static token count under min_tokens
   (no Linear extension registered or forced) are traced as ComfyUI's own Linear: inductor
   compiles those as it would unpatched, and the stats do not count them.
-- Other packs' Linear (kernels/extensions.py register_linear): forced by the Settings node's
+- Other packs' Linear (kernels/core/extensions.py register_linear): forced by the Settings node's
   `linear` "ext:<name>", or in auto walked by priority with ours where auto runs ours
   (extension_plan). They get the weight in the input's dtype (ComfyUI's cast under dynamic
   VRAM), the same first-call guard (EXT_GUARD_MAX_REL_L2), and every call they refuse or fail on
@@ -69,10 +69,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import extensions
-from ..kernels.gpu_rules import LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY, LINEAR_INT8_W8A8, PATH_PYTORCH
-from ..kernels.linear import PRIORITY as OUR_PRIORITY
-from ..kernels.registry import BackendUnavailableError
+from ..kernels.core import extensions
+from ..kernels.core.gpu_rules import LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY, LINEAR_INT8_W8A8, PATH_PYTORCH
+from ..kernels.linear.dispatch import PRIORITY as OUR_PRIORITY
+from ..kernels.core.registry import BackendUnavailableError
 from . import call_stats, call_timing, compiled_ops, linear_choice, step_graph
 from .settings import SEARCH_ALIASES as ATTENTION_SEARCH_ALIASES
 from .settings import SETTINGS_TYPE, AccelSettings, default_device, device_key, patched_model_text
@@ -97,7 +97,7 @@ MAX_STEP_SIGNATURES = 8  # recent step signatures whose classes stay decided (be
 # coarser on outliers. FP8 checkpoint weights in weight-only mode differ from ComfyUI's
 # upcast only by FP16/BF16 rounding (~0.003), so 0.04 still catches a broken kernel.
 GUARD_MAX_REL_L2 = {LINEAR_FP8_W8A8: 0.05, LINEAR_INT8_W8A8: 0.06, LINEAR_FP8_WEIGHT_ONLY: 0.04}
-# Other packs' Linear (kernels/extensions.py) by the same guard: a lossless one by the pack's
+# Other packs' Linear (kernels/core/extensions.py) by the same guard: a lossless one by the pack's
 # lossless bar (speed_choice.LOSSLESS_BAR, attention's too: rounding only), a lossy one by our
 # FP8 W8A8 method's (the quantised attention bar's rel. L2 as well).
 EXT_GUARD_MAX_REL_L2 = {False: LOSSLESS_BAR.max_rel_l2, True: GUARD_MAX_REL_L2[LINEAR_FP8_W8A8]}
@@ -218,9 +218,9 @@ class LinearBackend:
 
 def default_backend() -> LinearBackend:
     from .. import kernels
-    from ..kernels.linear import prepare_weight_per_call
+    from ..kernels.linear.dispatch import prepare_weight_per_call
 
-    from ..kernels.linear import ACTIVATION_OUT_METHODS
+    from ..kernels.linear.dispatch import ACTIVATION_OUT_METHODS
 
     return LinearBackend(kernels.prepare_weight, kernels.linear, kernels.linear_refusal, kernels.LinearInputError,
                          prepare_weight_per_call, ACTIVATION_OUT_METHODS)
@@ -532,7 +532,7 @@ class LinearLayer:
             linear_choice.after_served(self, x, False, entry.method)
         return out
 
-    # -- other packs' Linear (kernels/extensions.py)
+    # -- other packs' Linear (kernels/core/extensions.py)
     def _call_with_extensions(self, x, plan: tuple):
         """Walk the plan (extensions above ours, ours, extensions below) in priority order: the
         first that accepts the call serves it. A failure (an extension's or ours) sends this call
@@ -1058,7 +1058,7 @@ class LinearPatchState:
 
 
 def extension_plan(settings: AccelSettings, device, weight_is_fp8: bool = False) -> tuple | None:
-    """Where other packs' Linear (kernels/extensions.py) stands for calls on `device`:
+    """Where other packs' Linear (kernels/core/extensions.py) stands for calls on `device`:
     (extensions before ours, whether ours is tried, extensions after ours), or None when none is.
 
     - mode "ext:<name>" that the device admits: that extension alone;
@@ -1068,7 +1068,7 @@ def extension_plan(settings: AccelSettings, device, weight_is_fp8: bool = False)
       method, so none is timed: each is judged by the quality guard, as ours is;
     - anything else (the CPU, AMD in auto, forced fp8/int8/fp8_weight_only, off): none.
     """
-    from ..kernels.device import describe
+    from ..kernels.core.device import describe
 
     decision = settings.linear_decision_for(device, weight_is_fp8)
     if extensions.is_extension_path(decision.path):
@@ -1313,7 +1313,7 @@ def _streamed_hand_back(layer: LinearLayer, x: torch.Tensor, reference, reason: 
 
 # ---- fused activations ----------------------------------------------------------------------
 
-ACTIVATION_GELU_TANH = "gelu_tanh"  # kernels.linear's activation name for nn.GELU(approximate="tanh")
+ACTIVATION_GELU_TANH = "gelu_tanh"  # kernels.linear.dispatch's activation name for nn.GELU(approximate="tanh")
 # The mark lives on the output's storage, which every view of it shares: ComfyUI runs its
 # samplers under torch.inference_mode, where a view (torch.split's mlp columns) records no _base,
 # so a mark on the output tensor was not found from its views there (the single block's GELU
@@ -1520,7 +1520,7 @@ def fusable_with_copy(diffusion_model: torch.nn.Module) -> list[tuple[str, str, 
     `mlp_act(mlp)` (GELU tanh) goes into `torch.cat((attn, ...))`.
 
     The GELU is fused there only with a contiguous copy of the activated columns
-    (kernels.linear's activation_out): handed the strided slice of linear1's output instead of
+    (kernels.linear.dispatch's activation_out): handed the strided slice of linear1's output instead of
     GELU's contiguous result, that cat runs its non-vectorised kernel, which cost more than the
     GELU pass saved (H200, Flux 12B, one step: 5.9 ms saved, 7.6 ms more in the cat;
     benchmarks/RESULTS.md, session 20). Blocks whose MLP takes another slice (a gated

@@ -12,7 +12,7 @@ import logging
 import sys
 
 from .. import kernels
-from ..kernels import extensions
+from ..kernels.core import extensions
 from . import call_stats
 from .status import status_payload
 
@@ -26,7 +26,7 @@ def stats_payload() -> dict:
     from .patch_linear import fallback_report  # patch_linear imports the node modules
 
     payload = call_stats.snapshot()
-    payload["kernels"] = kernels.stats.counts()
+    payload["kernels"] = kernels.core.stats.counts()
     # Linear layers the quality guard (or a kernel error) sent back to ComfyUI's Linear for good.
     payload["linear_fallbacks"] = fallback_report()
     return payload
@@ -37,7 +37,7 @@ def reset_counts() -> None:
     the calls served / handed back per extension (the status panel's Extensions section), so
     the panel's numbers all start from the same moment."""
     call_stats.reset()
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     extensions.reset_counts()
 
 

@@ -8,8 +8,8 @@ import threading
 import torch
 
 from .device_probe import probe, summary
-from ..kernels import extensions
-from ..kernels.gpu_rules import LINEAR_MODES, MODES, PATH_LABEL, Decision, select_linear_method, select_path
+from ..kernels.core import extensions
+from ..kernels.core.gpu_rules import LINEAR_MODES, MODES, PATH_LABEL, Decision, select_linear_method, select_path
 
 log = logging.getLogger("triton_accel")
 
@@ -108,7 +108,7 @@ class AccelSettings:
 
     def _select(self, device) -> Decision:
         if extensions.is_extension_path(self.mode):  # another pack's attention, forced
-            from ..kernels.device import describe
+            from ..kernels.core.device import describe
 
             return extensions.forced_decision(self.mode, describe(device))
         return select_path(probe(device), self.mode)
@@ -131,7 +131,7 @@ class AccelSettings:
 
     def _select_linear(self, device, weight_is_fp8: bool) -> Decision:
         if extensions.is_extension_path(self.linear_mode):  # another pack's Linear, forced
-            from ..kernels.device import describe
+            from ..kernels.core.device import describe
 
             return extensions.forced_decision(self.linear_mode, describe(device), kind=extensions.KIND_LINEAR)
         return select_linear_method(probe(device), self.linear_mode, weight_is_fp8)

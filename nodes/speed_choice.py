@@ -4,7 +4,7 @@ A GPU we have no measured figures for must never get slower: the first call of e
 class runs every candidate path and ComfyUI's attention, keeps the fastest candidate that also
 agrees with ComfyUI's output (a bar per path: agreement_bar()), and remembers the answer on disk,
 keyed by GPU, shape class and every version that changes the speed. The file is a
-kernels.json_cache.JsonCache: ComfyUI processes sharing it merge their answers under a
+kernels.core.json_cache.JsonCache: ComfyUI processes sharing it merge their answers under a
 cross-process lock instead of overwriting each other's, and an entry of the wrong shape is
 dropped on reading, never raised from inside the sampler's attention call. speed_summary()
 gives the measurements per device and shape class to the Settings node and the status panel.
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import extensions, tuning
-from ..kernels.gpu_rules import LOSSY_PATHS, PATH_LABEL
-from ..kernels.json_cache import JsonCache
+from ..kernels.core import extensions, tuning
+from ..kernels.core.gpu_rules import LOSSY_PATHS, PATH_LABEL
+from ..kernels.core.json_cache import JsonCache
 from . import call_timing
 
 log = logging.getLogger("triton_accel.nodes.speed_choice")  # not __name__: the clone's folder name
@@ -57,7 +57,7 @@ QUANTIZED_BAR = AgreementBar(0.05, 0.998)
 
 
 def agreement_bar(path: str) -> AgreementBar:
-    # Another pack's attention declares itself lossy or not (kernels/extensions.py); an unknown
+    # Another pack's attention declares itself lossy or not (kernels/core/extensions.py); an unknown
     # name gets the lossless bar, the stricter one.
     return QUANTIZED_BAR if path in LOSSY_PATHS or extensions.is_lossy(path) else LOSSLESS_BAR
 
@@ -139,7 +139,7 @@ def comfy_progress_bar(total: int):
 
 
 class _AutotuneProgress:
-    """kernels.tuning's progress hook: one ComfyUI progress bar per autotuning run.
+    """kernels.core.tuning's progress hook: one ComfyUI progress bar per autotuning run.
 
     The bar is kept per thread: under ComfyUI's MultiGPU work units each GPU's thread may
     autotune at the same time, and one shared bar would take the other run's counts."""

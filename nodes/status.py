@@ -21,7 +21,7 @@ import torch
 
 from .. import __version__ as PACK_VERSION
 from .. import kernels
-from ..kernels import extensions, gpu_rules
+from ..kernels.core import extensions, gpu_rules
 from . import call_stats
 from .device_probe import cached_facts, probe, summary
 from .settings import decisions_made, linear_decisions_made, user_facing
@@ -204,7 +204,7 @@ def benchmark_status() -> dict:
 
 
 def extensions_status(devices: list[torch.device], speed_rows: list[dict]) -> list[dict]:
-    """Other packs' attention and Linear implementations (kernels/extensions.py): what
+    """Other packs' attention and Linear implementations (kernels/core/extensions.py): what
     list_extensions() gives (with `kind`), plus per device whether it may run there and whether a
     node forces it there; attention: at how many of auto's measured shape classes it was timed
     and kept; Linear: whether auto considers it there (patch_linear.extension_plan)."""

@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from ..kernels import cache_registry, env_settings
+from ..kernels.core import cache_registry, env_settings
 from . import call_stats, call_timing, compiled_ops
 from .step_check import StepCheck
 from .speed_choice import guard_failure

@@ -1,6 +1,6 @@
 """install.py and the Settings node must never disagree on which attention path a machine gets.
 
-Both ask kernels/gpu_rules.py: the Settings node through select_path(), install.py through
+Both ask kernels/core/gpu_rules.py: the Settings node through select_path(), install.py through
 nvidia_gpu_blocker() in its GPU check and select_path() for the expected path. This walks the
 whole grid (every NVIDIA capability from sm_61 to sm_120, AMD, Intel, CPU x Triton none / 3.2 /
 3.3 / 3.5 / 3.6 / 3.9 x torch 2.6 ... 2.13 with the CUDA builds they ship, plus a cu126 torch
@@ -34,7 +34,7 @@ def _load_install():
 
 
 inst = _load_install()
-rules = inst.gpu_rules  # kernels/gpu_rules.py, the file nodes/ and kernels/ import as a package module
+rules = inst.gpu_rules  # kernels/core/gpu_rules.py, the file nodes/ and kernels/ import as a package module
 
 NVIDIA = {
     "sm61": ("NVIDIA GeForce GTX 1080", (6, 1)),
@@ -220,7 +220,7 @@ def test_the_grid_covers_every_outcome():
 
 
 def test_rules_module_is_the_packs_file():
-    assert Path(rules.__file__).resolve() == ROOT / "kernels" / "gpu_rules.py"
+    assert Path(rules.__file__).resolve() == ROOT / "kernels" / "core" / "gpu_rules.py"
 
 
 # What auto times per architecture (issue 11), the way install.py announces it: the candidates

@@ -38,7 +38,7 @@ import importlib
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-gpu_rules = importlib.import_module("triton_accel.kernels.gpu_rules")
+gpu_rules = importlib.import_module("triton_accel.kernels.core.gpu_rules")
 
 WAVE = {"gfx942": 64, "gfx950": 64, "gfx1100": 32, "gfx1201": 32}
 LDS_LIMIT = {"gfx942": 65536, "gfx950": 163840, "gfx1100": 65536, "gfx1201": 65536}  # bytes per workgroup
@@ -64,13 +64,13 @@ JOBS = []
 for _t in ("gfx942", "gfx1100", "gfx1201"):
     JOBS += [(_t, "flash", list(c)) for c in FLASH] + [(_t, "short_kv", ["fp16", 64, 77])]
     JOBS += [(_t, "int8_attention", ["bf16", 128, "fp16", "all" if _t == "gfx942" else "attn"]),
-             (_t, "linear_int8", ["bf16"]), (_t, "linear_fp8_weight_only", ["bf16"])]
+             (_t, "linear.int8", ["bf16"]), (_t, "linear.fp8_weight_only", ["bf16"])]
 JOBS += [("gfx950", "flash", ["bf16", 64, 4096, 0]), ("gfx950", "short_kv", ["fp16", 64, 77]),
-         ("gfx950", "int8_attention", ["fp16", 128, "fp16", "attn"]), ("gfx950", "linear_int8", ["fp16"]),
-         ("gfx950", "linear_fp8_weight_only", ["fp16"])]
+         ("gfx950", "int8_attention", ["fp16", 128, "fp16", "attn"]), ("gfx950", "linear.int8", ["fp16"]),
+         ("gfx950", "linear.fp8_weight_only", ["fp16"])]
 for _t in FP8_OCP:
     JOBS += [(_t, "fp8_qk", ["fp16", 128]), (_t, "fp8_full", ["bf16", 128, "all" if _t == "gfx1201" else "attn"]),
-             (_t, "linear_fp8", ["bf16"])]
+             (_t, "linear.fp8", ["bf16"])]
 # The compile facts behind the gfx942 refusal: the FP8 GEMM on OCP e4m3 and on fnuz inputs.
 JOBS += [("gfx942", "fp8_gemm", ["fp8e4nv"]), ("gfx942", "fp8_gemm", ["fp8e4b8"])]
 # attention_fp8_full.default_config picks by the capability major ROCm reports (gfx950: 9 ->
@@ -101,13 +101,13 @@ def name_of(fn):
 def specs(target, kind, args):
     # [(kernel name, fn, signature, constexprs, attrs, options)] as the AMD launchers build them.
     if kind == "flash":
-        at = mod("attention_triton")
+        at = mod("attention.flash")
         dtype, d, lk, mk = args
-        cfg = at.lookup_config(mod("kernel_common").arch_family(target), at.head_dim_class(d, lk))
+        cfg = at.lookup_config(mod("core.kernel_common").arch_family(target), at.head_dim_class(d, lk))
         fn, sig, c, a = at.compile_spec(dtype, d, cfg, mask_kind=mk, hip=True, mask_row_bcast=mk == 2)
         return [(name_of(fn), fn, sig, c, a, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
     if kind == "short_kv":
-        sk = mod("attention_short_kv")
+        sk = mod("attention.short_kv")
         dtype, d, lk = args
         fam = sk.config_family(types.SimpleNamespace(arch=target), False)
         cfg = sk.SHORT_KV_CONFIGS[fam]
@@ -115,35 +115,35 @@ def specs(target, kind, args):
         fn, sig, c, a = sk.compile_spec(dtype, d, lk, cfg, hip=True)
         return [(name_of(fn), fn, sig, c, a, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))]
     if kind == "int8_attention":
-        m = mod("attention_int8")
+        m = mod("attention.int8")
         dtype, d, pv, which = args
         cfg = m.config_for(m.INT8_CONFIGS[m.family_in(m.INT8_CONFIGS, m.arch_family(target))], d)
         return [(n, fn, sig, c, a, dict(num_warps=w, num_stages=cfg["num_stages"]))
                 for n, fn, sig, c, a, w in m.compile_specs(dtype, d, cfg, pv)
                 if which == "all" or n == "_attn_int8_fwd"]
     if kind == "fp8_qk":
-        m = mod("attention_fp8")
+        m = mod("attention.fp8")
         dtype, d = args
         cfg = m.FP8_ATTENTION_CONFIGS[m.config_family(target)][m.head_dim_class(d)]
         return [(name_of(fn), fn, sig, c, a, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
                 for fn, sig, c, a in m.compile_specs(dtype, d, cfg)]
     if kind == "fp8_full":
-        m = mod("attention_fp8_full")
+        m = mod("attention.fp8_full")
         dtype, d, which = args
         cfg = m.FP8_FULL_CONFIGS[fp8_full_family[target]]
         return [(n, fn, sig, c, a, dict(num_warps=w, num_stages=cfg["num_stages"]))
                 for n, fn, sig, c, a, w in m.compile_specs(dtype, d, cfg)
                 if which == "all" or n == "_attn_fp8_full_fwd"]
     if kind == "fp8_gemm":  # the FP8 Linear's GEMM alone, its e4m3 inputs retyped (fnuz: fp8e4b8)
-        m = mod("linear_fp8")
+        m = mod("linear.fp8")
         fn, sig, c, a, o = m.compile_specs(m.LINEAR_FP8_CONFIGS[m.config_family(target)], tma=False)[-1]
         sig = {k: (v.replace("fp8e4nv", args[0]) if isinstance(v, str) else v) for k, v in sig.items()}
         return [(name_of(fn), fn, sig, c, a, o)]
     m = mod(kind)
-    table = {"linear_fp8": "LINEAR_FP8_CONFIGS", "linear_int8": "LINEAR_INT8_CONFIGS",
-             "linear_fp8_weight_only": "LINEAR_FP8_WO_CONFIGS"}[kind]
+    table = {"linear.fp8": "LINEAR_FP8_CONFIGS", "linear.int8": "LINEAR_INT8_CONFIGS",
+             "linear.fp8_weight_only": "LINEAR_FP8_WO_CONFIGS"}[kind]
     cfg = getattr(m, table)[m.config_family(target)]
-    kwargs = dict(out_dtype=args[0], has_bias=True) if kind == "linear_fp8" else \
+    kwargs = dict(out_dtype=args[0], has_bias=True) if kind == "linear.fp8" else \
         dict(in_dtype=args[0], out_dtype=args[0])
     return [(name_of(fn), fn, sig, c, a, o) for fn, sig, c, a, o in m.compile_specs(cfg, **kwargs)]
 
@@ -247,12 +247,12 @@ def test_fp8_attention_uses_ocp_fp8_dots(report, job):
         assert set(fp8) | set(_matching(attn["ins"], HALF[target].format(t="f16"))) == set(attn["ins"]), attn["ins"]
 
 
-@pytest.mark.parametrize("job", _jobs("linear_int8") + _jobs("linear_fp8") + _jobs("linear_fp8_weight_only"), ids=_id)
+@pytest.mark.parametrize("job", _jobs("linear.int8") + _jobs("linear.fp8") + _jobs("linear.fp8_weight_only"), ids=_id)
 def test_linear_gemm_uses_the_methods_dot(report, job):
     target, kind, args = job
     gemm = _compiled(report, job)[-1]["ins"]
-    want = {"linear_int8": INT8[target], "linear_fp8": FP8_OCP.get(target),
-            "linear_fp8_weight_only": HALF[target].format(t=ISA_DTYPE[args[0]])}[kind]
+    want = {"linear.int8": INT8[target], "linear.fp8": FP8_OCP.get(target),
+            "linear.fp8_weight_only": HALF[target].format(t=ISA_DTYPE[args[0]])}[kind]
     assert _matching(gemm, want) and set(_matching(gemm, want)) == set(gemm), f"want only {want}: {gemm}"
 
 
@@ -277,9 +277,9 @@ def test_every_amd_target_and_family_is_compiled():
     assert targets == set(gpu_rules.AMD_COMPILE_TARGETS) == set(WAVE)
     for target in gpu_rules.AMD_COMPILE_TARGETS:
         kinds = {j[1] for j in JOBS if j[0] == target}
-        assert {"flash", "short_kv", "int8_attention", "linear_int8", "linear_fp8_weight_only"} <= kinds, target
+        assert {"flash", "short_kv", "int8_attention", "linear.int8", "linear.fp8_weight_only"} <= kinds, target
         if gpu_rules.amd_fp8_refusal(target) is None:
-            assert {"fp8_qk", "fp8_full", "linear_fp8"} <= kinds, target
+            assert {"fp8_qk", "fp8_full", "linear.fp8"} <= kinds, target
 
 
 FP8_OPTIONS = r"""

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-fp8 = importlib.import_module("triton_accel.kernels.attention_fp8")
-device_mod = importlib.import_module("triton_accel.kernels.device")
-gpu_rules = importlib.import_module("triton_accel.kernels.gpu_rules")
+fp8 = importlib.import_module("triton_accel.kernels.attention.fp8")
+device_mod = importlib.import_module("triton_accel.kernels.core.device")
+gpu_rules = importlib.import_module("triton_accel.kernels.core.gpu_rules")
 
 # Largest shared memory one block may use (bytes), per target.
 SMEM_LIMIT = {89: 101376, 90: 232448, 120: 101376}
@@ -53,7 +53,7 @@ def load():
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
-    return importlib.import_module(name + ".kernels.attention_fp8")
+    return importlib.import_module(name + ".kernels.attention.fp8")
 
 def compile_job(job):
     cc, dtype, d, mask_kind, causal = job

@@ -43,7 +43,7 @@ def load():
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
-    return importlib.import_module(name + ".kernels.attention_fp8_full")
+    return importlib.import_module(name + ".kernels.attention.fp8_full")
 
 def compile_job(job):
     cc, dtype, d, which = job

@@ -1,4 +1,4 @@
-"""The fused-norm kernels (kernels/norm_rope.py, layer_norm_modulate.py, qk_norm.py,
+"""The fused-norm kernels (kernels/fused/norm_rope.py, layer_norm_modulate.py, qk_norm.py,
 qk_norm_rope.py, gated_residual_norm.py, cat_fp8_rows.py) compile for every GPU target with the code their speed depends on, without
 a GPU: triton.compile(ASTSource(...)) of each file's compile_specs() at Wan 14B's row width (5120
 channels) and Flux's head dim (128).
@@ -28,24 +28,24 @@ NVIDIA = {"sm75": 75, "sm80": 80, "sm86": 86, "sm89": 89, "sm90": 90, "sm120": 1
 AMD = {"gfx942": ("gfx942", 64), "gfx1100": ("gfx1100", 32)}
 # (module, compile_specs kwargs): Turing runs fp16 (no bf16 there), the rest bf16; the affine
 # LayerNorm once.
-CASES = [("norm_rope", {"dtype": "bf16"}), ("layer_norm_modulate", {"dtype": "bf16"}),
-         ("qk_norm", {"dtype": "bf16"}), ("gated_residual_norm", {"dtype": "bf16"}), ("qk_norm_rope", {"dtype": "bf16"}),
-         ("layer_norm_modulate", {"dtype": "bf16", "affine": True}), ("gated_residual_norm", {"dtype": "bf16", "norm": False}),
+CASES = [("fused.norm_rope", {"dtype": "bf16"}), ("fused.layer_norm_modulate", {"dtype": "bf16"}),
+         ("fused.qk_norm", {"dtype": "bf16"}), ("fused.gated_residual_norm", {"dtype": "bf16"}), ("fused.qk_norm_rope", {"dtype": "bf16"}),
+         ("fused.layer_norm_modulate", {"dtype": "bf16", "affine": True}), ("fused.gated_residual_norm", {"dtype": "bf16", "norm": False}),
          # Flux's blocks: the product rounded before the residual add, with and without norm2
-         ("gated_residual_norm", {"dtype": "bf16", "norm": False, "round_product": True}),
-         ("layer_norm_modulate", {"dtype": "bf16", "channels": 3072, "residual": True, "gate": True,
+         ("fused.gated_residual_norm", {"dtype": "bf16", "norm": False, "round_product": True}),
+         ("fused.layer_norm_modulate", {"dtype": "bf16", "channels": 3072, "residual": True, "gate": True,
                                   "round_product": True})]
 # The norm kernels' e4m3 rows for the FP8 Linear (sm_89+, where that Linear runs): Wan's norm2
 # after the cross-attention's residual, and norm3 after the gated residual.
-FP8_ROWS_CASES = [("layer_norm_modulate", {"dtype": "bf16", "residual": True, "fp8_rows": True}),
-                  ("gated_residual_norm", {"dtype": "bf16", "fp8_rows": True}),
-                  ("layer_norm_modulate", {"dtype": "bf16", "channels": 3072, "residual": True, "gate": True,
+FP8_ROWS_CASES = [("fused.layer_norm_modulate", {"dtype": "bf16", "residual": True, "fp8_rows": True}),
+                  ("fused.gated_residual_norm", {"dtype": "bf16", "fp8_rows": True}),
+                  ("fused.layer_norm_modulate", {"dtype": "bf16", "channels": 3072, "residual": True, "gate": True,
                                            "round_product": True, "fp8_rows": True}),
                   # Flux's single block: the concatenation before linear2 with its e4m3 rows (a copy: no norm)
-                  ("cat_fp8_rows", {"dtype": "bf16"})]
-TURING_CASES = [("norm_rope", {"dtype": "fp16"}), ("layer_norm_modulate", {"dtype": "fp16"}),
-                ("qk_norm", {"dtype": "fp16"}), ("gated_residual_norm", {"dtype": "fp16"}),
-                ("qk_norm_rope", {"dtype": "fp16"})]
+                  ("linear.cat_fp8_rows", {"dtype": "bf16"})]
+TURING_CASES = [("fused.norm_rope", {"dtype": "fp16"}), ("fused.layer_norm_modulate", {"dtype": "fp16"}),
+                ("fused.qk_norm", {"dtype": "fp16"}), ("fused.gated_residual_norm", {"dtype": "fp16"}),
+                ("fused.qk_norm_rope", {"dtype": "fp16"})]
 
 WORKER = r"""
 import importlib, importlib.util, json, os, sys
@@ -123,7 +123,7 @@ def report():
 @pytest.mark.parametrize("job", JOBS, ids=[_id(j) for j in JOBS])
 def test_fused_norm_kernels_compile(report, job):
     target, backend, _arch, _warp, module, kwargs = job
-    copy_only = module == "cat_fp8_rows"  # no norm, no 16-bit conversion: the rows are the point
+    copy_only = module == "linear.cat_fp8_rows"  # no norm, no 16-bit conversion: the rows are the point
     for r in report[_id(job)]:
         assert r["ok"], f"{r['kernel']} on {target}: {r.get('error')}"
         assert r["elf"], f"{r['kernel']} on {target}: no ELF binary"

@@ -69,7 +69,7 @@ spec = importlib.util.spec_from_file_location(name, os.path.join(root, "__init__
 mod = importlib.util.module_from_spec(spec)
 sys.modules[name] = mod
 spec.loader.exec_module(mod)
-g = importlib.import_module(name + ".kernels.attention_gluon_hopper")
+g = importlib.import_module(name + ".kernels.attention.gluon_hopper")
 refusal = g.gluon_api_refusal()
 if refusal:
     print("RESULT " + json.dumps(dict(refusal=refusal)))
@@ -109,7 +109,7 @@ for cfg_name, d in jobs:
     if g.loop_options(cfg)["PERM_P"] and out[-1].get("ok"):
         # The quantiser that stores V's keys in the relabelled order, for the same target.
         from triton.compiler import ASTSource
-        q = importlib.import_module(name + ".kernels.attention_fp8_quant")
+        q = importlib.import_module(name + ".kernels.attention.fp8_quant")
         spec = [s for s in q.compile_specs("bf16", d, g.BLOCK_M, cfg["BLOCK_N"], v_key_perm=True)
                 if s[0] == "_fp8_quant_kernel"][0]
         try:
@@ -138,8 +138,8 @@ def _ids(jobs):
 
 
 def _expected_wgmma(cfg_name, head_dim):
-    from triton_accel.kernels.attention_fp8_quant import padded_head_dim
-    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
+    from triton_accel.kernels.attention.fp8_quant import padded_head_dim
+    from triton_accel.kernels.attention.gluon_hopper import GLUON_CONFIGS, loop_options
 
     cfg = GLUON_CONFIGS[cfg_name]
     qk = padded_head_dim(head_dim) // 32 + 1  # + the outlier side dot's one k-step
@@ -177,7 +177,7 @@ def test_every_mma_is_e4m3_wgmma(report, job):
 
 @pytest.mark.parametrize("job", JOBS, ids=_ids(JOBS))
 def test_warp_specialised_structure(report, job):
-    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS
+    from triton_accel.kernels.attention.gluon_hopper import GLUON_CONFIGS
 
     r = report[job]
     assert r["ok"], r.get("error")
@@ -192,7 +192,7 @@ def test_warp_specialised_structure(report, job):
 @pytest.mark.parametrize("job", JOBS, ids=_ids(JOBS))
 def test_main_loop_sass(report, job):
     """What each loop option removes, counted per key tile in the main loop's SASS."""
-    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
+    from triton_accel.kernels.attention.gluon_hopper import GLUON_CONFIGS, loop_options
 
     r = report[job]
     loop = compile_report.main_loop_of(r)
@@ -244,7 +244,7 @@ def test_turn_barriers_only_in_pingpong(report, job):
     warpgroup 0's last wait); in the PTX every wait site has an arrive site on the same barrier
     (4 on 10: tile 0, the loop, the last tile and the end; 3 on 11). Triton's own partitions
     use barriers 0-2 (bar.sync n, 128): no other config may touch 10 or 11."""
-    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
+    from triton_accel.kernels.attention.gluon_hopper import GLUON_CONFIGS, loop_options
 
     r = report[job]
     assert r["ok"], r.get("error")
@@ -270,7 +270,7 @@ def test_pv_behind_loop_sass(report, job):
     e4m3 bytes it cost ~100 byte permutes a tile: no more PRMT than lean's 16), at most 12 % more
     instructions a tile than lean, ping-pong two barrier instructions more a tile than the same
     loop without it."""
-    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
+    from triton_accel.kernels.attention.gluon_hopper import GLUON_CONFIGS, loop_options
 
     r = report[job]
     loop = compile_report.main_loop_of(r)
@@ -294,7 +294,7 @@ def test_persistent_keeps_leans_inner_loop(report, job):
     the SASS); _ring_slot / _ring_phase mask and shift instead. The inner loop must then be
     lean's: the same products, no spill in it, within 1 % of its instructions. Values kept
     across the inner loop may spill outside it (Triton 3.6: ~100 STL/LDL, once a tile)."""
-    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
+    from triton_accel.kernels.attention.gluon_hopper import GLUON_CONFIGS, loop_options
 
     r = report[job]
     assert r["ok"], r.get("error")
@@ -322,7 +322,7 @@ def test_persistent_keeps_leans_inner_loop(report, job):
 def test_pv_split_interleaves_exponentials(report, job):
     """PV_SPLIT's point, in the SASS: between the P.V slices of a key tile the next slice's
     exponentials (MUFU.EX2) run; lean's P.V k-steps follow each other with none between."""
-    from triton_accel.kernels.attention_gluon_hopper import GLUON_CONFIGS, loop_options
+    from triton_accel.kernels.attention.gluon_hopper import GLUON_CONFIGS, loop_options
 
     r = report[job]
     compile_report.main_loop_of(r)  # skips without cuobjdump; no spills in the loop

@@ -56,8 +56,8 @@ spec = importlib.util.spec_from_file_location(name, os.path.join(root, "__init__
 mod = importlib.util.module_from_spec(spec)
 sys.modules[name] = mod
 spec.loader.exec_module(mod)
-g = importlib.import_module(name + ".kernels.attention_gluon_hopper_bf16")
-glu = importlib.import_module(name + ".kernels.attention_gluon_hopper")
+g = importlib.import_module(name + ".kernels.attention.gluon_hopper_bf16")
+glu = importlib.import_module(name + ".kernels.attention.gluon_hopper")
 refusal = glu.gluon_api_refusal()
 if refusal:
     print("RESULT " + json.dumps(dict(refusal=refusal)))
@@ -117,13 +117,13 @@ def _ids(jobs):
 
 
 def _config(job):
-    from triton_accel.kernels.attention_gluon_hopper_bf16 import GLUON_BF16_CONFIGS, default_config
+    from triton_accel.kernels.attention.gluon_hopper_bf16 import GLUON_BF16_CONFIGS, default_config
 
     return GLUON_BF16_CONFIGS[job[2]] if job[2] else default_config(job[1])
 
 
 def _expected_wgmma(job):
-    from triton_accel.kernels.attention_gluon_hopper_bf16 import block_head_dim
+    from triton_accel.kernels.attention.gluon_hopper_bf16 import block_head_dim
 
     cfg = _config(job)
     qk, pv = block_head_dim(job[1]) // 16, cfg["BLOCK_N"] // 16

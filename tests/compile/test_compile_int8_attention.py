@@ -1,4 +1,4 @@
-"""The INT8 attention kernels (kernels/attention_int8.py and its quantiser) compile for every
+"""The INT8 attention kernels (kernels/attention/int8.py and its quantiser) compile for every
 NVIDIA target the registry serves, with the intended tensor-core instructions in the PTX, and
 the FP8 P.V variant is refused below sm_89; without a GPU:
 triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32)).
@@ -73,7 +73,7 @@ def load():
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
-    return importlib.import_module(name + ".kernels.attention_int8")
+    return importlib.import_module(name + ".kernels.attention.int8")
 
 def source(fn, sig, const, attrs):
     import triton

@@ -1,4 +1,4 @@
-"""Every Linear method's kernels (kernels/linear_fp8.py, linear_int8.py, linear_fp8_weight_only.py)
+"""Every Linear method's kernels (kernels/linear/fp8.py, linear_int8.py, linear_fp8_weight_only.py)
 compile for their targets with the intended tensor-core instruction in the PTX, without a GPU:
 triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32)) with the shipped configs.
 
@@ -42,32 +42,32 @@ PTX_DTYPE = {"fp16": "f16", "bf16": "bf16"}
 
 # (module, compile_specs kwargs, cc, config family)
 CURRENT = [
-    ("linear_fp8", {"out_dtype": "bf16", "has_bias": True, "tma": True}, 90, "sm90"),
-    ("linear_fp8", {"out_dtype": "bf16", "has_bias": True}, 89, "sm89"),
-    ("linear_fp8", {"out_dtype": "fp16", "has_bias": False}, 120, "sm120"),
-    ("linear_int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
-    ("linear_int8", {"in_dtype": "fp16", "out_dtype": "fp16", "has_bias": False}, 86, "sm86"),
-    ("linear_int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 89, "sm89"),
-    ("linear_int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 90, "sm90"),
-    ("linear_int8", {"in_dtype": "fp16", "out_dtype": "bf16", "rotation": 0}, 120, "sm120"),
-    ("linear_fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
-    ("linear_fp8_weight_only", {"in_dtype": "fp16", "out_dtype": "fp16"}, 86, "sm86"),
-    ("linear_fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "fp16", "has_bias": False}, 86, "sm86"),
-    # The GELU epilogue (kernels.linear's activation="gelu_tanh"), one case per GEMM: act 2,
+    ("linear.fp8", {"out_dtype": "bf16", "has_bias": True, "tma": True}, 90, "sm90"),
+    ("linear.fp8", {"out_dtype": "bf16", "has_bias": True}, 89, "sm89"),
+    ("linear.fp8", {"out_dtype": "fp16", "has_bias": False}, 120, "sm120"),
+    ("linear.int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
+    ("linear.int8", {"in_dtype": "fp16", "out_dtype": "fp16", "has_bias": False}, 86, "sm86"),
+    ("linear.int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 89, "sm89"),
+    ("linear.int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 90, "sm90"),
+    ("linear.int8", {"in_dtype": "fp16", "out_dtype": "bf16", "rotation": 0}, 120, "sm120"),
+    ("linear.fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
+    ("linear.fp8_weight_only", {"in_dtype": "fp16", "out_dtype": "fp16"}, 86, "sm86"),
+    ("linear.fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "fp16", "has_bias": False}, 86, "sm86"),
+    # The GELU epilogue (kernels.linear.dispatch's activation="gelu_tanh"), one case per GEMM: act 2,
     # the tanh.approx.f32 form NVIDIA launches with 16-bit outputs; act 1, the exp2 form (fp32
     # outputs).
-    ("linear_fp8", {"out_dtype": "bf16", "has_bias": True, "tma": True, "act": 2}, 90, "sm90"),
-    ("linear_fp8", {"out_dtype": "fp32", "has_bias": True, "tma": True, "act": 1}, 90, "sm90"),
-    ("linear_fp8", {"out_dtype": "fp16", "has_bias": True, "act": 2}, 120, "sm120"),
-    ("linear_int8", {"in_dtype": "fp16", "out_dtype": "fp16", "act": 2}, 86, "sm86"),
-    ("linear_fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16", "act": 2}, 80, "sm80"),
+    ("linear.fp8", {"out_dtype": "bf16", "has_bias": True, "tma": True, "act": 2}, 90, "sm90"),
+    ("linear.fp8", {"out_dtype": "fp32", "has_bias": True, "tma": True, "act": 1}, 90, "sm90"),
+    ("linear.fp8", {"out_dtype": "fp16", "has_bias": True, "act": 2}, 120, "sm120"),
+    ("linear.int8", {"in_dtype": "fp16", "out_dtype": "fp16", "act": 2}, 86, "sm86"),
+    ("linear.fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16", "act": 2}, 80, "sm80"),
 ]
 TRITON32 = [
-    ("linear_int8", {"in_dtype": "fp16", "out_dtype": "fp16"}, 75, "sm75"),
-    ("linear_int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
-    ("linear_fp8_weight_only", {"in_dtype": "fp16", "out_dtype": "fp16"}, 80, "sm80"),
-    ("linear_fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16"}, 86, "sm86"),
-    ("linear_int8", {"in_dtype": "fp16", "out_dtype": "fp16", "act": 2}, 75, "sm75"),
+    ("linear.int8", {"in_dtype": "fp16", "out_dtype": "fp16"}, 75, "sm75"),
+    ("linear.int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
+    ("linear.fp8_weight_only", {"in_dtype": "fp16", "out_dtype": "fp16"}, 80, "sm80"),
+    ("linear.fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16"}, 86, "sm86"),
+    ("linear.int8", {"in_dtype": "fp16", "out_dtype": "fp16", "act": 2}, 75, "sm75"),
 ]
 # Other Triton releases users run (tests/versions/ installs them): one case per method and MMA
 # kind. 3.3 (first with sm_120), 3.5 (torch 2.9's), 3.6 (the H200's), 3.8 (newest triton-windows);
@@ -76,17 +76,17 @@ TRITON32 = [
 # out_dtype=int32.
 OTHER_VERSIONS = ("3.3", "3.5", "3.6", "3.8")
 PER_VERSION = [
-    ("linear_fp8", {"out_dtype": "bf16", "has_bias": True}, 89, "sm89"),
-    ("linear_int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
-    ("linear_int8", {"in_dtype": "fp16", "out_dtype": "fp16"}, 90, "sm90"),
-    ("linear_fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16"}, 86, "sm86"),
-    ("linear_fp8", {"out_dtype": "bf16", "has_bias": True, "act": 2}, 89, "sm89"),
+    ("linear.fp8", {"out_dtype": "bf16", "has_bias": True}, 89, "sm89"),
+    ("linear.int8", {"in_dtype": "bf16", "out_dtype": "bf16"}, 80, "sm80"),
+    ("linear.int8", {"in_dtype": "fp16", "out_dtype": "fp16"}, 90, "sm90"),
+    ("linear.fp8_weight_only", {"in_dtype": "bf16", "out_dtype": "bf16"}, 86, "sm86"),
+    ("linear.fp8", {"out_dtype": "bf16", "has_bias": True, "act": 2}, 89, "sm89"),
     # activation_out's masked copy (the TMA copy needs host descriptors, 3.4+: the installed
     # Triton's compile in test_compile_linear_fp8.py, and the H200 run on 3.6).
-    ("linear_fp8", {"out_dtype": "bf16", "has_bias": True, "act": 2, "split": True}, 89, "sm89"),
+    ("linear.fp8", {"out_dtype": "bf16", "has_bias": True, "act": 2, "split": True}, 89, "sm89"),
 ]
-CONFIG_TABLE = {"linear_fp8": "LINEAR_FP8_CONFIGS", "linear_int8": "LINEAR_INT8_CONFIGS",
-                "linear_fp8_weight_only": "LINEAR_FP8_WO_CONFIGS"}
+CONFIG_TABLE = {"linear.fp8": "LINEAR_FP8_CONFIGS", "linear.int8": "LINEAR_INT8_CONFIGS",
+                "linear.fp8_weight_only": "LINEAR_FP8_WO_CONFIGS"}
 
 WORKER = r"""
 import importlib, importlib.util, json, os, sys, time
@@ -176,12 +176,12 @@ def _check(job, results):
         assert r["cubin"] > 0, f"{r['kernel']}: no binary"
         assert r["shared"] <= SMEM_LIMIT[cc], f"{r['kernel']} needs {r['shared']} B of shared memory on sm_{cc}"
     gemm = results[-1]["ptx"]
-    if module == "linear_fp8":
+    if module == "linear.fp8":
         assert re.search(FP8_MMA[cc], gemm), f"no e4m3 MMA ({FP8_MMA[cc]}) in the sm_{cc} PTX"
         # Triton <= 3.8 converts through f16x2 (a double rounding that only moves ties), 3.9 from f32.
         assert re.search(r"cvt\.rn\.satfinite\.e4m3x2\.(f32|f16x2)", results[0]["ptx"]), \
             "quantisation lost its e4m3 cvt"
-    elif module == "linear_int8":
+    elif module == "linear.int8":
         quant, name = results[0], [r["kernel"] for r in results]
         assert name == ["_quant_rows_int8", "_int8_linear"]
         assert re.search(INT8_MMA[cc], gemm), f"no int8 MMA ({INT8_MMA[cc]}) in the sm_{cc} PTX"

@@ -1,4 +1,4 @@
-"""The FP8 Linear kernels (kernels/linear_fp8.py) compile for sm_89 / sm_90 / sm_120 with the
+"""The FP8 Linear kernels (kernels/linear/fp8.py) compile for sm_89 / sm_90 / sm_120 with the
 FP8 MMA in their PTX, and are refused below sm_89, without a GPU:
 triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32)).
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-lf = importlib.import_module("triton_accel.kernels.linear_fp8")
-device_mod = importlib.import_module("triton_accel.kernels.device")
+lf = importlib.import_module("triton_accel.kernels.linear.fp8")
+device_mod = importlib.import_module("triton_accel.kernels.core.device")
 
 SMEM_LIMIT = {89: 101376, 90: 232448, 120: 101376}  # bytes one block may use, per target
 # The e4m3 x e4m3 -> fp32 tensor-core instruction each target must use: Hopper's
@@ -63,7 +63,7 @@ def load():
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
-    return importlib.import_module(name + ".kernels.linear_fp8")
+    return importlib.import_module(name + ".kernels.linear.fp8")
 
 def compile_job(job):
     cc, family, tma, out_dtype, bias = job[:5]

@@ -39,7 +39,7 @@ CHILD = textwrap.dedent(r'''
     spec = importlib.util.spec_from_file_location("ta_compile", root / "__init__.py",
                                                   submodule_search_locations=[str(root)])
     mod = importlib.util.module_from_spec(spec); sys.modules["ta_compile"] = mod; spec.loader.exec_module(mod)
-    at = importlib.import_module("ta_compile.kernels.attention_triton")
+    at = importlib.import_module("ta_compile.kernels.attention.flash")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -86,7 +86,7 @@ CHILD = textwrap.dedent(r'''
     out.append(build({"case": f"{dtype}_d{d}_lk{lk}_negative_scale", "class": "negative_scale", "config": cfg},
                      fn, sig, constexprs, attrs, cfg))
     # The short-key kernel (cross-attention): the arch's config at the largest K/V it keeps on chip.
-    sk = importlib.import_module("ta_compile.kernels.attention_short_kv")
+    sk = importlib.import_module("ta_compile.kernels.attention.short_kv")
     fam = sk.config_family(types.SimpleNamespace(arch=key), False)
     skcfg = sk.SHORT_KV_CONFIGS[fam]
     sk_cases = [("fp16", 64, 77)]

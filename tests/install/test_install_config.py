@@ -3,7 +3,7 @@ must not break, install.py --json must not crash, each ignored value is logged o
 file, and install.py reports it as CONFIG_INVALID.
 
 The pack side loads the real __init__.py from a copy of the pack (only __init__.py and
-kernels/install_config.py, which it reads by path before anything imports torch); the
+kernels/core/install_config.py, which it reads by path before anything imports torch); the
 install.py side runs the real install.py from a copy too, against a fake Python whose probe
 report is fixed, so each case takes a fraction of a second."""
 import json
@@ -62,10 +62,10 @@ def _pack_copy(tmp_path, name="pack"):
     """__init__.py, install.py, its installer/ package and the two files they load by path, in a
     folder called `name`."""
     folder = tmp_path / name
-    (folder / "kernels").mkdir(parents=True)
+    (folder / "kernels" / "core").mkdir(parents=True)
     (folder / "installer").mkdir()
     installer = [path.relative_to(ROOT).as_posix() for path in (ROOT / "installer").glob("*.py")]
-    for rel in ("__init__.py", "install.py", "kernels/install_config.py", "kernels/gpu_rules.py", *installer):
+    for rel in ("__init__.py", "install.py", "kernels/core/install_config.py", "kernels/core/gpu_rules.py", *installer):
         shutil.copy(ROOT / rel, folder / rel)
     return folder
 
@@ -137,7 +137,7 @@ def test_pack_import_applies_a_good_value_before_torch(tmp_path):
 
 def test_pack_import_survives_a_missing_reader(tmp_path, monkeypatch, caplog):
     folder = _pack_copy(tmp_path)
-    (folder / "kernels" / "install_config.py").unlink()
+    (folder / "kernels" / "core" / "install_config.py").unlink()
     _write(folder, json.dumps({"triton_cache_dir": str(tmp_path / "cache")}))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     with caplog.at_level(logging.WARNING, logger="triton_accel"):

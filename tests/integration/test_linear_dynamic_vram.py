@@ -121,7 +121,7 @@ def _in_process(repo: str) -> dict:
     call_stats = sys.modules["triton_accel_it_dyn.nodes.call_stats"]
     settings = sys.modules["triton_accel_it_dyn.nodes.settings"].AccelSettings("off", linear_mode="fp8")
     kernels = pack.kernels
-    from triton_accel_it_dyn.kernels.linear import prepare_weight_per_call
+    from triton_accel_it_dyn.kernels.linear.dispatch import prepare_weight_per_call
 
     counts = {"casts": 0, "uncasts": 0}
     real_uncast = comfy.ops.uncast_bias_weight

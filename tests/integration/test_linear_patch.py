@@ -118,7 +118,7 @@ def _served(run, method="fp8_w8a8") -> int:
     linear = run["linear"]
     assert linear["served"] > 0 and linear["paths"].get(method, 0) > 0, f"our Linear kernel never ran: {linear}"
     kernel_calls = run["stats"].get("kernels", {}).get(f"triton_linear_{method}", 0)
-    assert kernel_calls > 0, f"kernels.stats counted no {method} launch: {run['stats'].get('kernels')}"
+    assert kernel_calls > 0, f"kernels.core.stats counted no {method} launch: {run['stats'].get('kernels')}"
     return linear["served"]
 
 

@@ -32,7 +32,7 @@ def load_kernels():
         sys.modules[PACK_NAME] = module
         spec.loader.exec_module(module)
     return (importlib.import_module(f"{PACK_NAME}.kernels"),
-            importlib.import_module(f"{PACK_NAME}.kernels.sequence_parallel"))
+            importlib.import_module(f"{PACK_NAME}.kernels.attention.sequence_parallel"))
 
 
 def full_inputs(case, torch):

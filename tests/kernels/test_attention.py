@@ -121,7 +121,7 @@ def test_masks(mask_kind):
 
 def test_mask_is_not_materialised(monkeypatch):
     """The launcher must hand the kernel a stride-0 view of a broadcast mask, never a copy."""
-    at = importlib.import_module("triton_accel.kernels.attention_triton")
+    at = importlib.import_module("triton_accel.kernels.attention.flash")
     seen = {}
     orig = at._attn_fwd
 
@@ -276,7 +276,7 @@ def test_torch_compile_fullgraph():
 
 
 def test_autotune_cache_roundtrip(tmp_path, monkeypatch):
-    tuning = importlib.import_module("triton_accel.kernels.tuning")
+    tuning = importlib.import_module("triton_accel.kernels.core.tuning")
     monkeypatch.setenv("TRITON_ACCEL_CACHE_DIR", str(tmp_path))
     tuning.clear_memory()
     info = K.describe("cpu")

@@ -1,4 +1,4 @@
-"""kernels.attention's contract where it was broken (issue 10), each case against a reference:
+"""kernels.attention.dispatch's contract where it was broken (issue 10), each case against a reference:
 
 1. negative scale over several key tiles (the running max was taken of unscaled scores:
    all inf/NaN with > 256 keys and no mask), in the flash kernel, the short-key kernel and FP8;
@@ -25,11 +25,11 @@ import torch
 import triton_accel  # noqa: F401  (loaded by conftest under this name)
 
 K = importlib.import_module("triton_accel.kernels")
-attention_mod = importlib.import_module("triton_accel.kernels.attention")
-checks = importlib.import_module("triton_accel.kernels.attention_checks")
-fp8 = importlib.import_module("triton_accel.kernels.attention_fp8")
-gpu_rules = importlib.import_module("triton_accel.kernels.gpu_rules")
-cache_registry = importlib.import_module("triton_accel.kernels.cache_registry")
+attention_mod = importlib.import_module("triton_accel.kernels.attention.dispatch")
+checks = importlib.import_module("triton_accel.kernels.attention.checks")
+fp8 = importlib.import_module("triton_accel.kernels.attention.fp8")
+gpu_rules = importlib.import_module("triton_accel.kernels.core.gpu_rules")
+cache_registry = importlib.import_module("triton_accel.kernels.core.cache_registry")
 F = torch.nn.functional
 
 
@@ -55,7 +55,7 @@ def test_flash_negative_and_tiny_scale_over_many_key_tiles(scale, lazy):
     """Issue 10.1's call: 272 keys (past the short-key kernel), no mask, so full key tiles take
     the hot path. Before the fix every output was inf/NaN for scale -1."""
     q, k, v = (rand(1, 1, n, 64, dtype=torch.float16, seed=i) for i, n in enumerate((16, 272, 272)))
-    at = importlib.import_module("triton_accel.kernels.attention_triton")
+    at = importlib.import_module("triton_accel.kernels.attention.flash")
     cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, LAZY=lazy)
     out = at.attention_triton(q, k, v, scale=scale, config=cfg)
     assert rel_l2(out, ref64(q, k, v, None, scale)) < 2e-3
@@ -273,7 +273,7 @@ def test_no_eligibility_sm_numbers_outside_gpu_rules():
     root = Path(K.__file__).parent
     pattern = re.compile(r"\(\s*[5-9]\s*,\s*[0-9]\s*\)|capability\s*[<>]=?\s*\(")
     offenders = []
-    for path in root.glob("*.py"):
+    for path in root.rglob("*.py"):
         if path.name in ("gpu_rules.py", "install_config.py"):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -287,8 +287,8 @@ def test_no_eligibility_sm_numbers_outside_gpu_rules():
 
 def _kernel_modules():
     pkg = importlib.import_module("triton_accel.kernels")
-    for info in pkgutil.iter_modules(pkg.__path__):
-        yield importlib.import_module(f"triton_accel.kernels.{info.name}")
+    for info in pkgutil.walk_packages(pkg.__path__, prefix="triton_accel.kernels."):
+        yield importlib.import_module(info.name)
 
 
 def test_clear_caches_empties_every_module_level_cache():
@@ -339,9 +339,9 @@ def test_input_error_is_one_type_everywhere():
 ])
 def test_arch_family_picks_each_kernels_table(arch, flash, short, fp8_table):
     """The tables each kernel had before the shared mapping, arch by arch."""
-    at = importlib.import_module("triton_accel.kernels.attention_triton")
-    sk = importlib.import_module("triton_accel.kernels.attention_short_kv")
-    kc = importlib.import_module("triton_accel.kernels.kernel_common")
+    at = importlib.import_module("triton_accel.kernels.attention.flash")
+    sk = importlib.import_module("triton_accel.kernels.attention.short_kv")
+    kc = importlib.import_module("triton_accel.kernels.core.kernel_common")
     assert at.ATTENTION_CONFIGS[kc.family_in(at.ATTENTION_CONFIGS, kc.arch_family(arch))] is at.ATTENTION_CONFIGS[flash]
     info = K.DeviceInfo("cuda", "nvidia", arch, None, arch)
     assert sk.config_family(info, False) == short
@@ -351,7 +351,7 @@ def test_arch_family_picks_each_kernels_table(arch, flash, short, fp8_table):
 def test_direct_launch_constexpr_order_matches_the_kernel():
     """The direct launch appends the constexprs in _CONSTEXPR_ORDER after the runtime
     arguments: it must be the kernel's own order, and every one must get a value."""
-    at = importlib.import_module("triton_accel.kernels.attention_triton")
+    at = importlib.import_module("triton_accel.kernels.attention.flash")
     params = list(inspect.signature(at._attn_fwd.fn).parameters.values())
     names = [p.name for p in params if "constexpr" in str(p.annotation)]
     assert tuple(names) == at._CONSTEXPR_ORDER

@@ -16,14 +16,14 @@ import importlib
 import pytest
 import torch
 
-fp8 = importlib.import_module("triton_accel.kernels.attention_fp8")
+fp8 = importlib.import_module("triton_accel.kernels.attention.fp8")
 
 # Triton 3.5's interpreter converts a tensor loop bound through a 1-element array: a warning
 # on NumPy 2.3, an error ("only 0-dimensional arrays ...") on later NumPy. Fail here first.
 pytestmark = pytest.mark.filterwarnings("error:Conversion of an array with ndim > 0:DeprecationWarning")
-device_mod = importlib.import_module("triton_accel.kernels.device")
-registry_mod = importlib.import_module("triton_accel.kernels.registry")
-checks = importlib.import_module("triton_accel.kernels.attention_checks")
+device_mod = importlib.import_module("triton_accel.kernels.core.device")
+registry_mod = importlib.import_module("triton_accel.kernels.core.registry")
+checks = importlib.import_module("triton_accel.kernels.attention.checks")
 
 # rel L2 of kernel vs emulation: P rounded to the input dtype before P.V (fp16: 2**-11;
 # bf16 runs fp32 in the interpreter) and fp16 storage of the 16-bit outlier channels.
@@ -297,7 +297,7 @@ def _call(device, dtype=torch.float16, head_dim=64):
 
 
 def test_registry_constraints():
-    """The Constraints the lead registers "triton_fp8" with (kernels/attention.py)."""
+    """The Constraints the lead registers "triton_fp8" with (kernels/attention/dispatch.py)."""
     c = fp8.registry_constraints()
     ada = device_mod.DeviceInfo("cuda", "nvidia", "NVIDIA GeForce RTX 4090", (8, 9), "sm89")
     ampere = device_mod.DeviceInfo("cuda", "nvidia", "NVIDIA GeForce RTX 3090", (8, 6), "sm86")

@@ -1,7 +1,7 @@
 """Full-FP8 attention (Q.K^T and P.V in e4m3) on the Triton interpreter: accuracy and edges.
 
 Yardstick: the float32 reference. The tolerances are issue 11's targets:
-- "outlier" inputs (kernels.attention_fp8_full.accuracy_inputs: large per-channel K offsets,
+- "outlier" inputs (kernels.attention.fp8_full.accuracy_inputs: large per-channel K offsets,
   Q and V outlier channels): cosine >= 0.9995 and rel. L2 <= 0.03;
 - "gauss" inputs: cosine >= 0.998 and rel. L2 <= 0.06. Zero-mean random V averages to a
   small output, so each e4m3 rounding (Q, K, P and V: ~2-3% relative each) shows at full
@@ -21,10 +21,10 @@ import importlib
 import pytest
 import torch
 
-full = importlib.import_module("triton_accel.kernels.attention_fp8_full")
-quant = importlib.import_module("triton_accel.kernels.attention_fp8_quant")
-device_mod = importlib.import_module("triton_accel.kernels.device")
-registry_mod = importlib.import_module("triton_accel.kernels.registry")
+full = importlib.import_module("triton_accel.kernels.attention.fp8_full")
+quant = importlib.import_module("triton_accel.kernels.attention.fp8_quant")
+device_mod = importlib.import_module("triton_accel.kernels.core.device")
+registry_mod = importlib.import_module("triton_accel.kernels.core.registry")
 
 # (cosine >=, rel. L2 <=) vs float32, per input kind: issue 11's targets, for fp16 and bf16
 # alike (the kernel reads either into fp32 before quantising; the output rounding to the

@@ -13,9 +13,11 @@ import types
 import pytest
 import torch
 
-from triton_accel.kernels import clear_caches, stats
+from triton_accel.kernels import clear_caches
 
-A = importlib.import_module("triton_accel.kernels.attention")  # the module (kernels.attention is the function)
+from triton_accel.kernels.core import stats
+
+A = importlib.import_module("triton_accel.kernels.attention.dispatch")  # the module (kernels.attention is the function)
 
 
 class _FakeGluon(types.SimpleNamespace):
@@ -58,11 +60,11 @@ def _clean(monkeypatch):
 
 
 def _install(monkeypatch, mod):
-    A._modules["attention_gluon_hopper_bf16"] = (mod, None)
+    A._modules["gluon_hopper_bf16"] = (mod, None)
 
 
 def test_missing_module_is_a_reason_not_an_error(qkv, monkeypatch):
-    A._modules["attention_gluon_hopper_bf16"] = (None, "kernels/attention_gluon_hopper_bf16.py cannot be imported")
+    A._modules["gluon_hopper_bf16"] = (None, "kernels/attention/gluon_hopper_bf16.py cannot be imported")
     assert "cannot be imported" in A.gluon_bf16_refusal(*qkv)
 
 
@@ -98,7 +100,7 @@ def test_layout_refused_per_call_goes_to_flash_without_disabling(qkv, monkeypatc
 def test_first_call_failure_disables_the_device_once(qkv, monkeypatch, caplog):
     mod, calls = _fake(fail=RuntimeError("PTX JIT compilation failed"))
     _install(monkeypatch, mod)
-    with caplog.at_level("WARNING", logger="triton_accel.kernels.attention"):
+    with caplog.at_level("WARNING", logger="triton_accel.kernels.attention.dispatch"):
         assert A._gluon_bf16(*qkv, None) is None
     assert "PTX JIT" in A._gluon_bf16_disabled[qkv[0].device]
     assert "failed on its first call" in A.gluon_bf16_refusal(*qkv)

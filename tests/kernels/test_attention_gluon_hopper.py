@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from triton_accel.kernels import attention_gluon_hopper as glu
-from triton_accel.kernels import device as device_mod
-from triton_accel.kernels.device import DeviceInfo
+from triton_accel.kernels.attention import gluon_hopper as glu
+from triton_accel.kernels.core import device as device_mod
+from triton_accel.kernels.core.device import DeviceInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = ROOT / ".cache" / "triton-versions"  # tests/versions/version_matrix.py installs them
@@ -121,7 +121,7 @@ def test_real_triton_minor(minor):
     code = ("import importlib.util, sys; root = sys.argv[1]; "
             "spec = importlib.util.spec_from_file_location('ta', root + '/__init__.py', submodule_search_locations=[root]); "
             "m = importlib.util.module_from_spec(spec); sys.modules['ta'] = m; spec.loader.exec_module(m); "
-            "import importlib; g = importlib.import_module('ta.kernels.attention_gluon_hopper'); "
+            "import importlib; g = importlib.import_module('ta.kernels.attention.gluon_hopper'); "
             "print('REASON', g.gluon_api_refusal())")
     env = dict(os.environ, PYTHONPATH=str(site))
     p = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, env=env, timeout=300)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_accel.kernels import attention_gluon_hopper as glu
-from triton_accel.kernels import attention_gluon_hopper_bf16 as glb
-from triton_accel.kernels import device as device_mod
-from triton_accel.kernels.device import DeviceInfo
+from triton_accel.kernels.attention import gluon_hopper as glu
+from triton_accel.kernels.attention import gluon_hopper_bf16 as glb
+from triton_accel.kernels.core import device as device_mod
+from triton_accel.kernels.core.device import DeviceInfo
 
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -208,7 +208,7 @@ def test_api_check_and_layouts_are_remembered(monkeypatch):
     first = glu.shared_layout((1, 1, 64, 128), "bf16")
     assert glu.shared_layout((1, 1, 64, 128), "bf16") is first
     assert glu.shared_layout((64, 128), "fp8e4nv").element_bitwidth == 8
-    from triton_accel.kernels import cache_registry
+    from triton_accel.kernels.core import cache_registry
 
-    assert {"kernels.attention_gluon_hopper.api_refusal",
-            "kernels.attention_gluon_hopper.shared_layout"} <= set(cache_registry.names())
+    assert {"kernels.attention.gluon_hopper.api_refusal",
+            "kernels.attention.gluon_hopper.shared_layout"} <= set(cache_registry.names())

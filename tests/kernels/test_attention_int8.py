@@ -27,10 +27,10 @@ import importlib
 import pytest
 import torch
 
-int8 = importlib.import_module("triton_accel.kernels.attention_int8")
-quant = importlib.import_module("triton_accel.kernels.attention_int8_quant")
-device_mod = importlib.import_module("triton_accel.kernels.device")
-registry_mod = importlib.import_module("triton_accel.kernels.registry")
+int8 = importlib.import_module("triton_accel.kernels.attention.int8")
+quant = importlib.import_module("triton_accel.kernels.attention.int8_quant")
+device_mod = importlib.import_module("triton_accel.kernels.core.device")
+registry_mod = importlib.import_module("triton_accel.kernels.core.registry")
 
 # Triton 3.5's interpreter converts a tensor loop bound through a 1-element array: a warning
 # on NumPy 2.3, an error on later NumPy. Fail here first (as test_attention_fp8.py does).

@@ -25,9 +25,9 @@ import torch
 import triton_accel  # noqa: F401  (loaded by conftest under this name)
 
 K = importlib.import_module("triton_accel.kernels")
-A = importlib.import_module("triton_accel.kernels.attention")
-SP = importlib.import_module("triton_accel.kernels.sequence_parallel")
-INT8 = importlib.import_module("triton_accel.kernels.attention_int8")
+A = importlib.import_module("triton_accel.kernels.attention.dispatch")
+SP = importlib.import_module("triton_accel.kernels.attention.sequence_parallel")
+INT8 = importlib.import_module("triton_accel.kernels.attention.int8")
 
 LSE_TOL = {torch.float32: 2e-5, torch.float16: 1e-4, torch.bfloat16: 1e-4}
 OUT_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from triton_accel import kernels
-from triton_accel.kernels import gpu_rules
-from triton_accel.kernels.gpu_rules import FP8_KERNEL_FULL, FP8_KERNEL_GLUON, FP8_KERNEL_INT8_FP8PV, FP8_KERNEL_QK
+from triton_accel.kernels.core import gpu_rules
+from triton_accel.kernels.core.gpu_rules import FP8_KERNEL_FULL, FP8_KERNEL_GLUON, FP8_KERNEL_INT8_FP8PV, FP8_KERNEL_QK
 
-A = importlib.import_module("triton_accel.kernels.attention")  # the module (kernels.attention is the function)
-full = importlib.import_module("triton_accel.kernels.attention_fp8_full")
+A = importlib.import_module("triton_accel.kernels.attention.dispatch")  # the module (kernels.attention is the function)
+full = importlib.import_module("triton_accel.kernels.attention.fp8_full")
 
 REL_L2 = 0.03
 DTYPES = [torch.float16, torch.bfloat16]
@@ -44,7 +44,7 @@ def _rel_l2(out, q, k, v, mask=None, is_causal=False):
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     kernels.clear_caches()
     yield
     kernels.clear_caches()
@@ -87,7 +87,7 @@ def test_fp8_path_routes_each_call_to_the_kernel_that_serves_it(case):
     for word in words:
         assert any(word in why for why in refusals.values()), refusals
     out = kernels.attention(q, k, v, attn_mask=mask, is_causal=is_causal, backend="fp8")
-    assert kernels.stats.counts().get(f"triton_fp8.{kernel}") == 1
+    assert kernels.core.stats.counts().get(f"triton_fp8.{kernel}") == 1
     assert _rel_l2(out, q, k, v, mask, is_causal) <= REL_L2
 
 
@@ -99,14 +99,14 @@ def test_int8_backend_serves_plain_and_gqa_calls(dtype):
         out = kernels.attention(q, k, v, backend="int8")
         assert out.dtype == dtype and out.shape == q.shape
         assert _rel_l2(out, q, k, v) <= REL_L2
-    assert kernels.stats.counts().get("triton_int8") == 2
+    assert kernels.core.stats.counts().get("triton_int8") == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_full_fp8_kernel_serves_the_plain_call(dtype):
     q, k, v = _inputs(dtype)
     out = kernels.attention(q, k, v, backend="triton_fp8")
-    assert kernels.stats.counts().get(f"triton_fp8.{FP8_KERNEL_FULL}") == 1
+    assert kernels.core.stats.counts().get(f"triton_fp8.{FP8_KERNEL_FULL}") == 1
     assert _rel_l2(out, q, k, v) <= REL_L2
 
 
@@ -151,25 +151,25 @@ def test_a_missing_or_different_kernel_file_is_a_reason_not_an_import_error(monk
     monkeypatch.setattr(A, "_modules", {})
     mod, why = A._kernel_module("attention_not_in_this_build", ("anything",))
     assert mod is None and "cannot be imported" in why
-    mod, why = A._kernel_module("attention_ref", ("attention_ref", "no_such_launcher"))
+    mod, why = A._kernel_module("ref", ("attention_ref", "no_such_launcher"))
     assert mod is None and "lacks no_such_launcher" in why
 
 
 def test_missing_int8_module_registers_an_unavailable_backend(monkeypatch):
-    monkeypatch.setattr(A, "_modules", {"attention_int8": (None, "kernels/attention_int8.py is not shipped")})
+    monkeypatch.setattr(A, "_modules", {"int8": (None, "kernels/attention/int8.py is not shipped")})
     impl = A.int8_implementation(None)
-    assert impl.name == "triton_int8" and impl.unavailable == "kernels/attention_int8.py is not shipped"
+    assert impl.name == "triton_int8" and impl.unavailable == "kernels/attention/int8.py is not shipped"
     q, k, v = _inputs(torch.float16)
-    assert impl.refusal(kernels.call_facts(q, k, v)) == "kernels/attention_int8.py is not shipped"
-    assert A._int8_call_refusal(q, k, v, None, False) == "kernels/attention_int8.py is not shipped"
+    assert impl.refusal(kernels.call_facts(q, k, v)) == "kernels/attention/int8.py is not shipped"
+    assert A._int8_call_refusal(q, k, v, None, False) == "kernels/attention/int8.py is not shipped"
     # ...and the FP8 path loses its INT8-Q.K variant, with the same reason.
-    assert A.fp8_kernel_refusals("cpu")[FP8_KERNEL_INT8_FP8PV] == "kernels/attention_int8.py is not shipped"
+    assert A.fp8_kernel_refusals("cpu")[FP8_KERNEL_INT8_FP8PV] == "kernels/attention/int8.py is not shipped"
 
 
 def test_gluon_setting_off_keeps_the_plain_triton_kernel(monkeypatch):
     monkeypatch.setenv("TRITON_ACCEL_GLUON", "off")
-    if A._kernel_module("attention_gluon_hopper", A.GLUON_NAMES)[0] is None:
-        pytest.skip(A._kernel_module("attention_gluon_hopper", A.GLUON_NAMES)[1])
+    if A._kernel_module("gluon_hopper", A.GLUON_NAMES)[0] is None:
+        pytest.skip(A._kernel_module("gluon_hopper", A.GLUON_NAMES)[1])
     assert A.fp8_kernel_refusals("cpu")[FP8_KERNEL_GLUON] == "TRITON_ACCEL_GLUON is off"
     monkeypatch.setenv("TRITON_ACCEL_GLUON", "auto")
     assert "sm_90" in A.fp8_kernel_refusals("cpu")[FP8_KERNEL_GLUON]  # now the device is the reason
@@ -186,16 +186,16 @@ def test_an_optional_kernel_failing_on_its_first_call_hands_over_to_the_next(mon
 
     fake = types.SimpleNamespace(attention_int8=broken, call_refusal=lambda *a: None,
                                  device_refusal=lambda *a: None, registry_constraints=lambda *a: None)
-    monkeypatch.setattr(A, "_modules", {**A._modules, "attention_int8": (fake, None)})
+    monkeypatch.setattr(A, "_modules", {**A._modules, "int8": (fake, None)})
     monkeypatch.setattr(A, "fp8_kernel_order",
                         lambda cap, optional: ((FP8_KERNEL_INT8_FP8PV,) if FP8_KERNEL_INT8_FP8PV in optional else ())
                         + (FP8_KERNEL_FULL, FP8_KERNEL_QK))
     q, k, v = _inputs(torch.float16)
-    with caplog.at_level(logging.WARNING, logger="triton_accel.kernels.attention"):
+    with caplog.at_level(logging.WARNING, logger="triton_accel.kernels.attention.dispatch"):
         first = kernels.attention(q, k, v, backend="fp8")
         second = kernels.attention(q, k, v, backend="fp8")
     assert calls == ["fp8"]
-    assert kernels.stats.counts().get(f"triton_fp8.{FP8_KERNEL_FULL}") == 2
+    assert kernels.core.stats.counts().get(f"triton_fp8.{FP8_KERNEL_FULL}") == 2
     assert len([r for r in caplog.records if FP8_KERNEL_INT8_FP8PV in r.getMessage()]) == 1
     assert torch.equal(first, second) and _rel_l2(first, q, k, v) <= REL_L2
 
@@ -213,7 +213,7 @@ def test_fp8_kernels_available_reads_each_module_once_per_device(monkeypatch):
                                             ("0", False), ("off", False), ("false", False), ("", False)],
                          ids=repr)
 def test_gluon_setting_reads_like_every_switch(monkeypatch, value, allowed):
-    from triton_accel.kernels import env_settings
+    from triton_accel.kernels.core import env_settings
 
     if value is None:
         monkeypatch.delenv(env_settings.GLUON, raising=False)

@@ -16,8 +16,8 @@ import torch
 import triton_accel  # noqa: F401  (loaded by conftest under this name)
 
 K = importlib.import_module("triton_accel.kernels")
-sk = importlib.import_module("triton_accel.kernels.attention_short_kv")
-at = importlib.import_module("triton_accel.kernels.attention_triton")
+sk = importlib.import_module("triton_accel.kernels.attention.short_kv")
+at = importlib.import_module("triton_accel.kernels.attention.flash")
 TOL = {torch.float16: 2e-3, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 CPU = K.describe("cpu")
 

@@ -1,4 +1,4 @@
-"""kernels/cat_fp8_rows.py under the Triton interpreter: the concatenation equals torch.cat bit for
+"""kernels/linear/cat_fp8_rows.py under the Triton interpreter: the concatenation equals torch.cat bit for
 bit (a copy), and the e4m3 rows and scales equal linear_fp8.quantize_activation of that
 concatenation bit for bit (the FP8 Linear reads them instead of quantising: any difference would
 change the GEMM's input). Tolerance: none, per dtype (fp16, bf16, fp32), at Flux's single-block
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_accel.kernels import cat_fp8_rows as cfr
-from triton_accel.kernels import linear_fp8
+from triton_accel.kernels.linear import cat_fp8_rows as cfr
+from triton_accel.kernels.linear import fp8 as linear_fp8
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (name, leading shape, channels of the attention part, channels of the MLP part)

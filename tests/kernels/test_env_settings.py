@@ -1,4 +1,4 @@
-"""kernels/env_settings.py: the one place the pack reads its environment variables.
+"""kernels/core/env_settings.py: the one place the pack reads its environment variables.
 
 No dtype here: the settings are strings. Cases: every false word in every case, values that
 mean on, unset (the default), and the source scan that keeps every reader going through here.
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from triton_accel.kernels import env_settings
+from triton_accel.kernels.core import env_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = [*sorted((ROOT / "kernels").rglob("*.py")), *sorted((ROOT / "nodes").rglob("*.py")),
            *sorted((ROOT / "installer").rglob("*.py")), ROOT / "__init__.py", ROOT / "install.py"]
-SETTINGS_MODULE = ROOT / "kernels" / "env_settings.py"
+SETTINGS_MODULE = ROOT / "kernels" / "core" / "env_settings.py"
 
 OFF = ["", "0", "false", "False", "FALSE", "no", "No", "off", "OFF", " 0 ", "\toff\n"]
 ON = ["1", "true", "True", "yes", "on", "2", "enabled"]
@@ -123,4 +123,4 @@ def test_no_shipped_code_reads_our_variables_outside_env_settings():
         if path == SETTINGS_MODULE:
             continue
         offenders += [f"{path.relative_to(ROOT)}:{hit}" for hit in environment_reads(path.read_text(encoding="utf-8"))]
-    assert offenders == [], "read these through kernels/env_settings.py:\n" + "\n".join(offenders)
+    assert offenders == [], "read these through kernels/core/env_settings.py:\n" + "\n".join(offenders)

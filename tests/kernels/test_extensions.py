@@ -1,4 +1,4 @@
-"""The extension API (kernels/extensions.py): validation, priority order, constraints, the guard.
+"""The extension API (kernels/core/extensions.py): validation, priority order, constraints, the guard.
 
 An extension here is PyTorch SDPA (what the example pack registers) or a deliberately broken
 function. Tolerance for an extension's output through kernels.attention against SDPA called
@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 import triton_accel
 from triton_accel import kernels
-from triton_accel.kernels import extensions
-from triton_accel.kernels.device import DeviceInfo
-from triton_accel.kernels.extensions import ExtensionCallError
-from triton_accel.kernels.registry import BackendUnavailableError, Constraints
+from triton_accel.kernels.core import extensions
+from triton_accel.kernels.core.device import DeviceInfo
+from triton_accel.kernels.core.extensions import ExtensionCallError
+from triton_accel.kernels.core.registry import BackendUnavailableError, Constraints
 
 CPU = {"device_types": ["cpu"]}
 TOL = {torch.float32: 0.0, torch.float16: 1e-3, torch.bfloat16: 1e-3}

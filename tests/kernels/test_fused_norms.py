@@ -1,4 +1,4 @@
-"""kernels/norm_rope.py, layer_norm_modulate.py, qk_norm.py and gated_residual_norm.py under the
+"""kernels/fused/norm_rope.py, layer_norm_modulate.py, qk_norm.py and gated_residual_norm.py under the
 Triton interpreter against ComfyUI's own ops (the references compute in float32 and round where
 ComfyUI rounds).
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from triton_accel.kernels import layer_norm_modulate as lnm
-from triton_accel.kernels import norm_rope as nr
+from triton_accel.kernels.fused import layer_norm_modulate as lnm
+from triton_accel.kernels.fused import norm_rope as nr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from norm_checks import DTYPES, check  # noqa: E402  (the fused-norm tests' shared checks)
@@ -240,9 +240,9 @@ def test_ops_run_under_torch_compile():
     assert torch.equal(compiled(x), block(x))
 
 
-# ---- kernels/qk_norm.py: Flux's QKNorm on the permuted views of one qkv tensor ----------------
+# ---- kernels/fused/qk_norm.py: Flux's QKNorm on the permuted views of one qkv tensor ----------------
 
-from triton_accel.kernels import qk_norm as qkn  # noqa: E402
+from triton_accel.kernels.fused import qk_norm as qkn  # noqa: E402
 
 # (name, batch, tokens, heads, head_dim): Flux (24 x 128), HunyuanVideo's 24 x 128 at another
 # length, an odd small case and head dim 64 (Chroma Radiance's NeRF blocks: 64-wide heads).
@@ -287,9 +287,9 @@ def test_qk_rms_norm_edge_cases():
         qkn.qk_rms_norm(q, k[:, :1], w, w, 1e-6)
 
 
-# ---- kernels/gated_residual_norm.py: Wan's gated residual and the LayerNorm after it -----------
+# ---- kernels/fused/gated_residual_norm.py: Wan's gated residual and the LayerNorm after it -----------
 
-from triton_accel.kernels import gated_residual_norm as grn  # noqa: E402
+from triton_accel.kernels.fused import gated_residual_norm as grn  # noqa: E402
 
 
 def comfy_gated_residual_norm(x, y, gate, eps, weight=None, bias=None):
@@ -412,7 +412,7 @@ def test_direct_launch_records_every_constexpr_and_the_output(monkeypatch):
     (a missing one would raise here), and out_index naming the tensor the verification
     compares, the op's output. Recorded on the CPU with the bookkeeping forced on (the
     interpreter compiles nothing, so no plan is kept)."""
-    from triton_accel.kernels import direct_launch as dl
+    from triton_accel.kernels.core import direct_launch as dl
 
     seen = []
     monkeypatch.setattr(dl, "usable", lambda t: True)
@@ -456,7 +456,7 @@ def test_direct_launch_records_every_constexpr_and_the_output(monkeypatch):
 # inputs with outlier channels (the row amax sits on them).
 
 def _fp8_rows_equal(rows, out):
-    from triton_accel.kernels import linear_fp8
+    from triton_accel.kernels.linear import fp8 as linear_fp8
 
     q, scales = linear_fp8.quantize_activation(out.reshape(-1, out.shape[-1]))
     assert rows[0].dtype == torch.float8_e4m3fn and rows[0].shape == q.shape and rows[0].is_contiguous()
@@ -626,8 +626,8 @@ def test_flux_residual_ops_trace_and_compile():
 def memo_harness(monkeypatch):
     """Direct launches on as on a GPU (the CPU tensors read as CUDA ones, every signature's
     plan verified), launches recorded instead of run; the memos emptied before and after."""
-    from triton_accel.kernels import cache_registry
-    from triton_accel.kernels import direct_launch as dl
+    from triton_accel.kernels.core import cache_registry
+    from triton_accel.kernels.core import direct_launch as dl
 
     launches = []
     plan = dl.Plan("kernel", (1,), (), True)

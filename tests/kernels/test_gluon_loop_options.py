@@ -20,11 +20,11 @@ import inspect
 import pytest
 import torch
 
-glu = importlib.import_module("triton_accel.kernels.attention_gluon_hopper")
-glb = importlib.import_module("triton_accel.kernels.attention_gluon_hopper_bf16")
-quant = importlib.import_module("triton_accel.kernels.attention_fp8_quant")
-full = importlib.import_module("triton_accel.kernels.attention_fp8_full")
-env_settings = importlib.import_module("triton_accel.kernels.env_settings")
+glu = importlib.import_module("triton_accel.kernels.attention.gluon_hopper")
+glb = importlib.import_module("triton_accel.kernels.attention.gluon_hopper_bf16")
+quant = importlib.import_module("triton_accel.kernels.attention.fp8_quant")
+full = importlib.import_module("triton_accel.kernels.attention.fp8_full")
+env_settings = importlib.import_module("triton_accel.kernels.core.env_settings")
 
 LOG2_P_SCALE = 8.8073
 

@@ -13,11 +13,11 @@ import importlib
 import pytest
 import torch
 
-rules = importlib.import_module("triton_accel.kernels.gpu_rules")
-glu = importlib.import_module("triton_accel.kernels.attention_gluon_hopper")
-glb = importlib.import_module("triton_accel.kernels.attention_gluon_hopper_bf16")
-device_mod = importlib.import_module("triton_accel.kernels.device")
-A = importlib.import_module("triton_accel.kernels.attention")
+rules = importlib.import_module("triton_accel.kernels.core.gpu_rules")
+glu = importlib.import_module("triton_accel.kernels.attention.gluon_hopper")
+glb = importlib.import_module("triton_accel.kernels.attention.gluon_hopper_bf16")
+device_mod = importlib.import_module("triton_accel.kernels.core.device")
+A = importlib.import_module("triton_accel.kernels.attention.dispatch")
 H100 = device_mod.DeviceInfo("cuda", "nvidia", "NVIDIA H100 80GB HBM3", (9, 0), "sm90")
 
 CASES = [(kernel, f"{a}.{b}.0", True) for kernel, minors in rules.GLUON_GPU_VERIFIED.items() for a, b in minors]

@@ -1,4 +1,4 @@
-"""kernels/json_cache.py: the shared JSON cache behind the tuning and the auto speed caches.
+"""kernels/core/json_cache.py: the shared JSON cache behind the tuning and the auto speed caches.
 
 Every way a cache file can be unusable (named cases below) must leave a working cache and at
 most one warning naming the file; two processes writing at once must lose no entry.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from triton_accel.kernels import cache_registry, json_cache
-from triton_accel.kernels.json_cache import JsonCache
+from triton_accel.kernels.core import cache_registry, json_cache
+from triton_accel.kernels.core.json_cache import JsonCache
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = 1
@@ -251,13 +251,13 @@ def test_lock_held_too_long_writes_anyway_with_one_warning(tmp_path, monkeypatch
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING and "lock" in r.getMessage()]) == 1
 
 
-# A worker process loads kernels/json_cache.py without importing the pack (no torch), waits
+# A worker process loads kernels/core/json_cache.py without importing the pack (no torch), waits
 # for its partner so both write at the same time, and puts N entries.
 WORKER = r"""
 import errno, importlib, os, sys, time, types
 root, me, other, path, n, fallback = sys.argv[1:]
 pkg = types.ModuleType("_kernels_only")
-pkg.__path__ = [os.path.join(root, "kernels")]
+pkg.__path__ = [os.path.join(root, "kernels", "core")]
 sys.modules["_kernels_only"] = pkg
 jc = importlib.import_module("_kernels_only.json_cache")
 if fallback == "1":

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-kc = importlib.import_module("triton_accel.kernels.kernel_common")
+kc = importlib.import_module("triton_accel.kernels.core.kernel_common")
 kernels = importlib.import_module("triton_accel.kernels")
 
-KERNELS_DIR = Path(kc.__file__).resolve().parent
+KERNELS_DIR = Path(kc.__file__).resolve().parents[1]
 # Subscript calls in kernels/ that are not kernel launches (a dict of functions).
 NOT_LAUNCHES = {"_CALL_REFUSALS"}
 
@@ -33,7 +33,7 @@ def _passes_options(call: ast.Call) -> bool:
 def _launch_sites():
     """(file:line, launched name, passes the options) of every `name[grid](...)` in kernels/."""
     sites = []
-    for path in sorted(KERNELS_DIR.glob("*.py")):
+    for path in sorted(KERNELS_DIR.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
                     and isinstance(node.func.value, ast.Name) and node.func.value.id not in NOT_LAUNCHES):
@@ -102,7 +102,8 @@ def test_linear_launches_carry_the_options(launches, method):
 
 
 def test_row_kernel_launches_carry_the_options(launches):
-    from triton_accel.kernels import cat_fp8_rows, gated_residual_norm, layer_norm_modulate, qk_norm
+    from triton_accel.kernels.linear import cat_fp8_rows
+    from triton_accel.kernels.fused import gated_residual_norm, layer_norm_modulate, qk_norm
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 24, 256, generator=gen).to(torch.bfloat16)
@@ -120,7 +121,7 @@ def test_row_kernel_launches_carry_the_options(launches):
 
 
 def test_self_check_launch_carries_the_options(launches):
-    from triton_accel.kernels import selfcheck
+    from triton_accel.kernels.core import selfcheck
 
     ok, why = selfcheck._run(torch.device("cpu"))
     assert ok, why

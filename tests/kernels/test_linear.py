@@ -20,10 +20,10 @@ import pytest
 import torch
 
 kernels = importlib.import_module("triton_accel.kernels")
-L = importlib.import_module("triton_accel.kernels.linear")
-li = importlib.import_module("triton_accel.kernels.linear_int8")
-registry_mod = importlib.import_module("triton_accel.kernels.registry")
-lref = importlib.import_module("triton_accel.kernels.linear_ref")
+L = importlib.import_module("triton_accel.kernels.linear.dispatch")
+li = importlib.import_module("triton_accel.kernels.linear.int8")
+registry_mod = importlib.import_module("triton_accel.kernels.core.registry")
+lref = importlib.import_module("triton_accel.kernels.linear.ref")
 
 METHODS = ("fp8_w8a8", "int8_w8a8", "fp8_weight_only")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -114,10 +114,10 @@ def test_gelu_epilogue(method, out_dtype, act_from):
     x, w, b = activations(lead, k, torch.bfloat16, gen), weights(n, k, gen), torch.randn(n, generator=gen)
     prepared = kernels.prepare_weight(w, method)
     plain = kernels.linear(x, prepared, b, out_dtype=torch.float32)
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     ours = kernels.linear(x, prepared, b, out_dtype=out_dtype, activation="gelu_tanh", activation_from=act_from)
     # the kernel with its epilogue, not a torch fallback
-    assert kernels.stats.counts() == {f"triton_linear_{method}": 1, L.EPILOGUE_COUNTER: 1}
+    assert kernels.core.stats.counts() == {f"triton_linear_{method}": 1, L.EPILOGUE_COUNTER: 1}
     assert ours.dtype == out_dtype and ours.shape == (*lead, n)
     expect = plain.clone()
     expect[..., act_from:] = torch.nn.functional.gelu(plain[..., act_from:], approximate="tanh")
@@ -227,15 +227,15 @@ def test_fast_path_runs_and_is_counted(monkeypatch):
     x, w = activations((9,), 64, torch.bfloat16, gen), weights(32, 64, gen)
     for method in METHODS:
         prepared = kernels.prepare_weight(w, method)
-        kernels.stats.reset()
+        kernels.core.stats.reset()
         kernels.linear(x, prepared)
-        assert kernels.stats.counts() == {f"triton_linear_{method}": 1}
+        assert kernels.core.stats.counts() == {f"triton_linear_{method}": 1}
     # Where a method cannot run it raises with the reason: never a silent fallback.
     monkeypatch.setattr(L._device, "interpreter_enabled", lambda: False)
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     with pytest.raises(registry_mod.BackendUnavailableError, match="TRITON_INTERPRET"):
         kernels.linear(x, kernels.prepare_weight(w, "fp8_w8a8"))
-    assert kernels.stats.counts() == {}
+    assert kernels.core.stats.counts() == {}
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -246,9 +246,9 @@ def test_torch_compile_traces_the_op(method):
     torch._dynamo.reset()
     compiled = torch.compile(lambda t: kernels.linear(t, prepared, b, out_dtype=torch.float32),
                              backend="aot_eager", fullgraph=True)
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     out = compiled(x)
-    assert kernels.stats.counts() == {f"triton_linear_{method}": 1}
+    assert kernels.core.stats.counts() == {f"triton_linear_{method}": 1}
     assert torch.equal(out, kernels.linear(x, prepared, b, out_dtype=torch.float32))
 
 
@@ -336,12 +336,12 @@ def test_direct_memo_on_the_cpu_keeps_the_checked_path():
     """The interpreter has no direct launches: the signature is remembered as 'checked path
     always' (False) after the first call, and every call runs (and counts) the checked path."""
     x, prepared = _direct_case()
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     first = kernels.linear(x, prepared)
     assert list(prepared._direct.values()) == [False]
     second = kernels.linear(x, prepared)
     assert torch.equal(first, second)
-    assert kernels.stats.counts() == {"triton_linear_fp8_w8a8": 2}
+    assert kernels.core.stats.counts() == {"triton_linear_fp8_w8a8": 2}
 
 
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
@@ -351,13 +351,13 @@ def test_direct_memo_serves_the_remembered_signature_and_counts_it(activation):
     key = L._direct_key(x, None, None, activation, 8 if activation else 0)
     made = torch.arange(15 * 32, dtype=torch.bfloat16).reshape(15, 32)
     fake = prepared._direct[key] = _FakeDirect(made)
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     out = kernels.linear(x, prepared, **kw)
     assert fake.calls == 1 and torch.equal(out, made.view(3, 5, 32))  # the DirectCall's output, reshaped
     expected = {"triton_linear_fp8_w8a8": 1, L.DIRECT_COUNTER: 1}
     if activation:
         expected[L.EPILOGUE_COUNTER] = 1
-    assert kernels.stats.counts() == expected
+    assert kernels.core.stats.counts() == expected
 
 
 def test_direct_memo_takes_a_modules_parameter_bias():
@@ -383,11 +383,11 @@ def test_direct_memo_falls_back_when_the_direct_call_declines():
     x, prepared = _direct_case()
     key = L._direct_key(x, None, None, None, 0)
     fake = prepared._direct[key] = _FakeDirect(None)
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     out = kernels.linear(x, prepared)
     assert fake.calls == 1 and prepared._direct[key] is fake
     assert torch.equal(out, kernels.linear(torch.clone(x), prepared))
-    assert kernels.stats.counts().get(L.DIRECT_COUNTER, 0) == 0
+    assert kernels.core.stats.counts().get(L.DIRECT_COUNTER, 0) == 0
 
 
 @pytest.mark.parametrize("change", ["out_dtype", "bias", "activation", "activation_from", "dtype", "tokens",
@@ -431,7 +431,7 @@ def test_direct_call_keys_are_the_checked_paths_keys(monkeypatch):
     """linear_fp8.direct_call rebuilds the direct-launch keys that quantize_activation and
     fp8_gemm record; a key that drifted would leave every call on the checked path (or, worse,
     pick another call's plan). Recorded on the CPU with the launches' key bookkeeping forced on."""
-    lf = importlib.import_module("triton_accel.kernels.linear_fp8")
+    lf = importlib.import_module("triton_accel.kernels.linear.fp8")
     recorded = []
 
     def spy(make):
@@ -467,7 +467,7 @@ def test_direct_call_keys_are_the_checked_paths_keys(monkeypatch):
 def _recorded_direct_launches(monkeypatch):
     """linear_fp8 with direct launches recorded on the CPU instead of run: (module, [stream
     handle the launches see, settable], [(plan, args)] launched)."""
-    lf = importlib.import_module("triton_accel.kernels.linear_fp8")
+    lf = importlib.import_module("triton_accel.kernels.linear.fp8")
     monkeypatch.setattr(lf.direct_launch, "usable", lambda t: True)
     monkeypatch.setattr(lf.direct_launch, "lookup", lambda key: key[0])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -572,12 +572,12 @@ def test_activation_out_copies_the_activated_columns(dtype, first, with_bias):
     b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     prepared = kernels.prepare_weight(w.to(dtype), "fp8_w8a8")
     side = torch.full((*lead, n - first), float("nan"), dtype=dtype)
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     out = kernels.linear(x, prepared, b, activation="gelu_tanh", activation_from=first, activation_out=side)
     plain = kernels.linear(x, prepared, b, activation="gelu_tanh", activation_from=first)
     assert torch.equal(out, plain)
     assert torch.equal(side, out[..., first:])
-    assert kernels.stats.counts()[L.EPILOGUE_COUNTER] == 2
+    assert kernels.core.stats.counts()[L.EPILOGUE_COUNTER] == 2
 
 
 def _bad_activation_out():

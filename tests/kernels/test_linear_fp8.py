@@ -1,4 +1,4 @@
-"""FP8 W8A8 Linear (kernels/linear_fp8.py) on the Triton interpreter (CPU): semantics and accuracy.
+"""FP8 W8A8 Linear (kernels/linear/fp8.py) on the Triton interpreter (CPU): semantics and accuracy.
 
 Two yardsticks per case:
 - vs linear_fp8_reference (the same per-token / per-channel e4m3 quantisation in fp32 torch):
@@ -16,8 +16,8 @@ import importlib
 import pytest
 import torch
 
-lf = importlib.import_module("triton_accel.kernels.linear_fp8")
-ref = importlib.import_module("triton_accel.kernels.linear_ref")
+lf = importlib.import_module("triton_accel.kernels.linear.fp8")
+ref = importlib.import_module("triton_accel.kernels.linear.ref")
 
 # rel L2 vs linear_fp8_reference, by output dtype: its rounding (bf16 2**-9, fp16 2**-11) plus
 # fp32 summation order.
@@ -223,7 +223,7 @@ def test_direct_call_keeps_no_call_tensor_alive(monkeypatch):
     import weakref
 
     pytest.importorskip("triton.tools.tensor_descriptor")
-    dl = importlib.import_module("triton_accel.kernels.direct_launch")
+    dl = importlib.import_module("triton_accel.kernels.core.direct_launch")
     monkeypatch.setattr(dl, "lookup", lambda key: dl.Plan(None, (1,), (), True))
     monkeypatch.setattr(dl, "usable", lambda t: True)
     monkeypatch.setattr(dl, "launch", lambda plan, index, args: None)
@@ -324,7 +324,7 @@ def test_split_tail_matches_reference(monkeypatch, tma, split, shape):
 def test_split_tail_default_setting_and_activated_copy(monkeypatch):
     """The interpreter's shipped config splits a partial last wave; TRITON_ACCEL_SPLIT_TAIL=0
     keeps every tile whole; a call writing the activated copy (SPLIT_ACT) is never split."""
-    env = importlib.import_module("triton_accel.kernels.env_settings")
+    env = importlib.import_module("triton_accel.kernels.core.env_settings")
     m, k, n = TAIL_SHAPES["one_tile_left"]
     gen = torch.Generator().manual_seed(3)
     x, w = activations(m, k, torch.bfloat16, gen), weights(n, k, gen)

@@ -5,13 +5,13 @@ import importlib
 import pytest
 import torch
 
-from triton_accel.kernels.gpu_rules import (
+from triton_accel.kernels.core.gpu_rules import (
     LINEAR_FP8_W8A8, LINEAR_FP8_WEIGHT_ONLY, LINEAR_INT8_W8A8, LINEAR_MODES, PATH_PYTORCH, Facts,
     select_linear_method,
 )
 
-linear_mod = importlib.import_module("triton_accel.kernels.linear")
-device_mod = importlib.import_module("triton_accel.kernels.device")
+linear_mod = importlib.import_module("triton_accel.kernels.linear.dispatch")
+device_mod = importlib.import_module("triton_accel.kernels.core.device")
 
 CARDS = {
     "sm_61": ("NVIDIA GeForce GTX 1080 Ti", (6, 1)),

@@ -1,4 +1,4 @@
-"""kernels/qk_norm_rope.py under the Triton interpreter against ComfyUI's own ops: Flux's QKNorm
+"""kernels/fused/qk_norm_rope.py under the Triton interpreter against ComfyUI's own ops: Flux's QKNorm
 (torch's rms_norm over each head in the input dtype), the concatenation of a double block's text
 and image streams, and comfy.ldm.flux.math's RoPE (float32 pe, `freqs[..., 0] * x0` then
 `addcmul_(freqs[..., 1], x1)`), written independently of the kernel file's reference.
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from triton_accel.kernels import qk_norm_rope as qnr
+from triton_accel.kernels.fused import qk_norm_rope as qnr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from norm_checks import DTYPES, check  # noqa: E402  (the fused-norm tests' shared checks)
@@ -191,7 +191,7 @@ def test_direct_launch_verification_compares_the_rows_the_kernel_writes(monkeypa
     the other rows unwritten, and comparing them disabled direct launches for the whole process
     (the first H100 run of this kernel, session 35). A launch that writes other values in those
     rows still disagrees. `launch` is faked (no GPU here); the bookkeeping is direct_launch's."""
-    from triton_accel.kernels import direct_launch as dl
+    from triton_accel.kernels.core import direct_launch as dl
 
     monkeypatch.setattr(dl, "ENABLED", True)
     monkeypatch.setattr(dl, "_plans", {})

@@ -1,4 +1,4 @@
-"""Sequence-parallel attention (kernels/sequence_parallel.py) with 2 and 4 gloo processes on
+"""Sequence-parallel attention (kernels/attention/sequence_parallel.py) with 2 and 4 gloo processes on
 the CPU against single-process attention, and merge_partials on its own.
 
 Ranks are spawned with torch.multiprocessing.spawn (entry point: seqpar_worker.run), once per
@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 import triton_accel  # noqa: F401  (loaded by conftest under this name)
 
 K = importlib.import_module("triton_accel.kernels")
-SP = importlib.import_module("triton_accel.kernels.sequence_parallel")
+SP = importlib.import_module("triton_accel.kernels.attention.sequence_parallel")
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

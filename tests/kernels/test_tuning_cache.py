@@ -1,4 +1,4 @@
-"""kernels/tuning.py's on-disk cache (tuning-v1.json): never a wrong-shaped config, never a raise.
+"""kernels/core/tuning.py's on-disk cache (tuning-v1.json): never a wrong-shaped config, never a raise.
 
 Named cases: the file shapes that raised AttributeError from cached()/choose() or handed a
 string to the kernel as its config, and two processes storing at once. No dtype: configs are
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from triton_accel.kernels import tuning
-from triton_accel.kernels.device import DeviceInfo
+from triton_accel.kernels.core import tuning
+from triton_accel.kernels.core.device import DeviceInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 INFO = DeviceInfo("cuda", "nvidia", "NVIDIA H200", (9, 0), "sm90")
@@ -76,7 +76,7 @@ WORKER = r"""
 import importlib, os, sys, time, types
 root, me, other, n = sys.argv[1:]
 pkg = types.ModuleType("_kernels_only")
-pkg.__path__ = [os.path.join(root, "kernels")]
+pkg.__path__ = [os.path.join(root, "kernels", "core")]
 sys.modules["_kernels_only"] = pkg
 tuning = importlib.import_module("_kernels_only.tuning")
 tuning.cached("warm")  # load the (empty) file first, as a running ComfyUI would have

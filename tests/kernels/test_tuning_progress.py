@@ -1,4 +1,4 @@
-"""kernels/tuning.py's autotuning progress: the hook nodes/ installs (ComfyUI's progress bar) is
+"""kernels/core/tuning.py's autotuning progress: the hook nodes/ installs (ComfyUI's progress bar) is
 told (done, total) once before and after every candidate config, failed ones included, and the
 log says what is tuned and what won. No dtype: configs are JSON, timings are faked (no GPU).
 
@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from triton_accel.kernels import tuning
-from triton_accel.kernels.device import DeviceInfo
+from triton_accel.kernels.core import tuning
+from triton_accel.kernels.core.device import DeviceInfo
 
 INFO = DeviceInfo("cuda", "nvidia", "NVIDIA H200", (9, 0), "sm90")
 DEFAULT = {"BLOCK_M": 64, "num_warps": 4}
@@ -53,7 +53,7 @@ def test_hook_sees_every_config_and_the_log_names_the_winner(autotuning, case, c
     configs = CASES[case]
     seen = []
     tuning.set_progress_hook(lambda done, total: seen.append((done, total)))
-    with caplog.at_level(logging.INFO, logger="triton_accel.kernels.tuning"):
+    with caplog.at_level(logging.INFO, logger="triton_accel.kernels.core.tuning"):
         best = tuning.choose("attention", INFO, ("bfloat16", 128), DEFAULT, lambda: configs, autotuning)
     assert best == {"BLOCK_M": 128, "num_warps": 8}
     n = len(configs)

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 PACK_ROOT = Path(__file__).resolve().parents[2]
-PACK_DIRS = {PACK_ROOT, PACK_ROOT / "nodes", PACK_ROOT / "kernels"}
+SHIPPED_PACKAGES = ("nodes", "runtime", "kernels")
+
+
+def _is_pack_file(path: Path) -> bool:
+    if path.parent == PACK_ROOT:
+        return True
+    return PACK_ROOT in path.parents and path.relative_to(PACK_ROOT).parts[0] in SHIPPED_PACKAGES
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +33,7 @@ def pack_frames():
         def profile(frame, event, arg):
             if event == "call":
                 path = Path(frame.f_code.co_filename)
-                if path.parent in PACK_DIRS:
+                if _is_pack_file(path):
                     seen.append(f"{path.name}:{frame.f_code.co_name}")
 
         sys.setprofile(profile)

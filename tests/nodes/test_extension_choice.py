@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_accel import kernels
-from triton_accel.kernels import extensions
+from triton_accel.kernels.core import extensions
 from triton_accel.nodes import call_stats, extension_hooks, patch_attention, settings, speed_choice, status
 from triton_accel.nodes.patch_attention import AttentionOverride
 from triton_accel.nodes.settings import AccelSettings, TritonAccelSettings

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton_accel.kernels.gpu_rules import LINEAR_FP8_W8A8, Decision
+from triton_accel.kernels.core.gpu_rules import LINEAR_FP8_W8A8, Decision
 from triton_accel.nodes import call_stats, call_timing, linear_choice
 from triton_accel.nodes import patch_linear as pl
 from triton_accel.nodes.settings import AccelSettings
@@ -35,7 +35,7 @@ _f = _fakes()
 
 
 def _ref_run(x, prepared, bias, out_dtype, activation=None, activation_from=0, activation_out=None):
-    """The reference matmul with kernels.linear's epilogue arguments (the fused GELU, its copy)."""
+    """The reference matmul with kernels.linear.dispatch's epilogue arguments (the fused GELU, its copy)."""
     out = _f.linear_ref(x, prepared, bias).to(out_dtype)
     if activation is not None:
         out[..., activation_from:] = torch.nn.functional.gelu(out[..., activation_from:].float(),

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from triton_accel import kernels
-from triton_accel.kernels import extensions
-from triton_accel.kernels.gpu_rules import LINEAR_FP8_W8A8, LINEAR_MODES, Decision
+from triton_accel.kernels.core import extensions
+from triton_accel.kernels.core.gpu_rules import LINEAR_FP8_W8A8, LINEAR_MODES, Decision
 from triton_accel.nodes import benchmark as benchmark_node
 from triton_accel.nodes import benchmark_core as core
 from triton_accel.nodes import call_stats, routes, status
@@ -68,7 +68,7 @@ class GpuRuleSettings(AccelSettings):
 @pytest.fixture(autouse=True)
 def _clean():
     call_stats.reset()
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     yield
     for entry in extensions.list_extensions():
         extensions.unregister(entry["name"])
@@ -116,7 +116,7 @@ def test_forced_extension_serves_every_call_exactly(dtype, shape):
     assert fn.calls == 2 and len(calls) == 1, "the guard's reference runs on the first call only"
     stats = _linear_stats()
     assert stats["served"] == 2 and stats["paths"] == {path: 2} and stats["handed_back"] == 0, stats
-    assert kernels.stats.counts().get("triton_linear_fp8_w8a8", 0) == 0, "ours never runs in a forced ext mode"
+    assert kernels.core.stats.counts().get("triton_linear_fp8_w8a8", 0) == 0, "ours never runs in a forced ext mode"
     assert extensions.list_extensions()[0]["served"] == 2
 
 

@@ -31,9 +31,9 @@ def test_pack_loads_whatever_its_folder_is_called(tmp_path):
 
 def test_install_config_sets_triton_cache_dir_unless_the_user_did(tmp_path, monkeypatch):
     folder = tmp_path / "pack"
-    (folder / "kernels").mkdir(parents=True)
+    (folder / "kernels" / "core").mkdir(parents=True)
     shutil.copy(ROOT / "__init__.py", folder / "__init__.py")
-    shutil.copy(ROOT / "kernels" / "install_config.py", folder / "kernels" / "install_config.py")  # read by path
+    shutil.copy(ROOT / "kernels" / "core" / "install_config.py", folder / "kernels" / "core" / "install_config.py")  # read by path
     (folder / "triton_accel.json").write_text(json.dumps({"triton_cache_dir": str(tmp_path / "cache")}))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     _load(folder, "pack_a")
@@ -46,9 +46,9 @@ def test_install_config_sets_triton_cache_dir_unless_the_user_did(tmp_path, monk
 
 def test_unreadable_install_config_is_ignored(tmp_path, monkeypatch):
     folder = tmp_path / "pack"
-    (folder / "kernels").mkdir(parents=True)
+    (folder / "kernels" / "core").mkdir(parents=True)
     shutil.copy(ROOT / "__init__.py", folder / "__init__.py")
-    shutil.copy(ROOT / "kernels" / "install_config.py", folder / "kernels" / "install_config.py")  # read by path
+    shutil.copy(ROOT / "kernels" / "core" / "install_config.py", folder / "kernels" / "core" / "install_config.py")  # read by path
     (folder / "triton_accel.json").write_text("{broken")
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     _load(folder, "pack_c")

@@ -50,7 +50,7 @@ comfy_attention_pytorch.calls = []
 @pytest.fixture(autouse=True)
 def _fresh_counters():
     call_stats.reset()
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     comfy_attention_pytorch.calls.clear()
 
 
@@ -97,7 +97,7 @@ def test_forced_triton_serves_real_call_shapes(case):
     # The fast path really ran: our kernel counted, the original function never called.
     assert call_stats.snapshot()["calls"] == {"triton": 1}
     assert comfy_attention_pytorch.calls == []
-    assert sum(kernels.stats.counts().values()) >= 1
+    assert sum(kernels.core.stats.counts().values()) >= 1
 
 
 UNSUPPORTED = {
@@ -202,7 +202,7 @@ def test_adapt_call_refuses_heads_that_do_not_divide():
 
 
 def test_forced_fp8_runs_the_fp8_kernel_and_fp32_calls_take_fp16():
-    from triton_accel.kernels.gpu_rules import PATH_TRITON_FP8, PATH_TRITON_FP16, Decision
+    from triton_accel.kernels.core.gpu_rules import PATH_TRITON_FP8, PATH_TRITON_FP16, Decision
 
     class FP8Settings(AccelSettings):
         def decision_for(self, device):

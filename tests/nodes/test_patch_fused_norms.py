@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from triton_accel.nodes import call_stats
-from triton_accel.kernels import env_settings
+from triton_accel.kernels.core import env_settings
 from triton_accel.nodes import patch_fused_norms as pfn
 
 C, HEADS, HEAD_DIM, TOKENS = 64, 2, 32, 6
@@ -242,7 +242,7 @@ def test_linears_after_the_norms_read_the_norm_kernels_fp8_rows(monkeypatch):
     bit for bit what the FP8 Linear's own quantisation makes of x. The self-attention's o runs
     outside; the FFN's second Linear inside the FFN's block, on another tensor (it quantises its
     own input)."""
-    from triton_accel.kernels import linear_fp8
+    from triton_accel.kernels.linear import fp8 as linear_fp8
 
     scopes, inside = _recording_scopes(monkeypatch, used=1)
     patcher, blocks = _patched([WanAttentionBlock()])
@@ -719,7 +719,7 @@ def test_flux_linears_read_the_norm_kernels_fp8_rows(monkeypatch, qk_norms_on):
     linear1, the double block's qkv and first MLP Linear per stream, with the rows the norm
     kernel wrote, and the single block's linear2 with the rows of its concatenated input; bit
     for bit the FP8 Linear's own quantisation of h."""
-    from triton_accel.kernels import linear_fp8
+    from triton_accel.kernels.linear import fp8 as linear_fp8
 
     scopes, inside = _recording_scopes(monkeypatch, used=1)
     model = FluxModel()
@@ -747,7 +747,7 @@ def test_flux_linears_read_the_norm_kernels_fp8_rows(monkeypatch, qk_norms_on):
         q, scales = linear_fp8.quantize_activation(x.reshape(-1, x.shape[-1]))
         assert torch.equal(rows[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(rows[1], scales), name
     # linear2's input: the concatenation of the attention output and the MLP's activation, with
-    # its rows from the same pass (kernels/cat_fp8_rows.py)
+    # its rows from the same pass (kernels/linear/cat_fp8_rows.py)
     assert scopes[5][0].shape[-1] == FLUX_HIDDEN + single.mlp_hidden_dim
     assert not seen["img_proj"][0][1]
 
@@ -911,7 +911,7 @@ def test_flux_rope_fusion_stays_off_where_it_must(monkeypatch, qk_norms_on, flux
 def test_flux_rope_call_the_kernel_refuses_runs_comfyuis_way(monkeypatch, qk_norms_on, flux_math):
     """A head dim the QK norm + RoPE kernel does not take (48 here): that call runs the norm,
     then ComfyUI's attention with its RoPE, and still matches ComfyUI's forward."""
-    from triton_accel.kernels import qk_norm_rope as qnr
+    from triton_accel.kernels.fused import qk_norm_rope as qnr
 
     monkeypatch.setattr(qnr, "HEAD_DIMS", (64,))
     model = FluxModel()

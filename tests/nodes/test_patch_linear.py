@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from triton_accel import kernels
-from triton_accel.kernels import extensions
-from triton_accel.kernels.linear import linear_ref
+from triton_accel.kernels.core import extensions
+from triton_accel.kernels.linear.dispatch import linear_ref
 from triton_accel.nodes import call_stats
 from triton_accel.nodes import patch_linear as pl
 from triton_accel.nodes.settings import AccelSettings, TritonAccelSettings
@@ -173,7 +173,7 @@ class FakePatcher:
 @pytest.fixture(autouse=True)
 def _fresh_counters():
     call_stats.reset()
-    kernels.stats.reset()
+    kernels.core.stats.reset()
 
 
 def _linear_stats() -> dict:
@@ -327,7 +327,7 @@ def test_hand_back_goes_to_original_forward_with_reason(case):
     assert any(r.startswith(reason) for r in stats["reasons"]), stats["reasons"]
     if setup == "weight_function":  # the LoRA applied on the fly reaches the output
         assert torch.allclose(out, F.linear(x, module.weight * 1.5, module.bias))
-    assert kernels.stats.counts().get("triton_linear_fp8_w8a8", 0) == 0
+    assert kernels.core.stats.counts().get("triton_linear_fp8_w8a8", 0) == 0
 
 
 def test_min_tokens_counts_rows_of_every_leading_dim():
@@ -418,7 +418,7 @@ def test_served_layer_repeats_a_remembered_call_until_the_weight_changes():
     """kernels.linear remembers a served call's signature (its DirectCall, real on CUDA) on the
     prepared weight: the layer's calls must give it the same key every time (the module's
     Parameter bias included), and a changed weight (a new prepared weight) must not reuse it."""
-    klinear = importlib.import_module("triton_accel.kernels.linear")
+    klinear = importlib.import_module("triton_accel.kernels.linear.dispatch")
 
     class Remembered:
         def __init__(self, out):
@@ -438,9 +438,9 @@ def test_served_layer_repeats_a_remembered_call_until_the_weight_changes():
     made = torch.full((16, 48), 7.0, dtype=torch.bfloat16)
     fake = prepared._direct[key] = Remembered(made)
     call_stats.reset()
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     assert torch.equal(layer(x), made.view(2, 8, 48)) and fake.calls == 1
-    assert _linear_stats()["served"] == 1 and kernels.stats.counts()[klinear.DIRECT_COUNTER] == 1
+    assert _linear_stats()["served"] == 1 and kernels.core.stats.counts()[klinear.DIRECT_COUNTER] == 1
     with torch.no_grad():
         module.weight.mul_(2.0)  # a new weight version: prepared again, nothing remembered
     out = layer(x)
@@ -464,7 +464,7 @@ def test_forced_fp8_model_matches_unpatched_and_input_model_untouched():
     stats = _linear_stats()
     assert stats["served"] == 4, stats  # qkv, proj, mlp.0, mlp.2
     assert stats["handed_back"] == 4, stats  # img_in, time_in, img_mod (by name), final_layer
-    assert kernels.stats.counts().get("triton_linear_fp8_w8a8", 0) >= 4
+    assert kernels.core.stats.counts().get("triton_linear_fp8_w8a8", 0) >= 4
     err = _rel_l2(out, expected)
     assert 0 < err < MODEL_TOL, err
     patched.detach()
@@ -831,7 +831,7 @@ def test_gelu_runs_in_the_gemm_and_the_model_matches_unpatched(mode, copies, gel
     assert f"{1 + copies} GELU activations run in our GEMM's epilogue" in text
     assert ("1 of them, whose output is concat" in text) == copies
     patched.patch_model()
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     with torch.no_grad():
         first = patched.model.diffusion_model(x)  # the guard's call
         second = patched.model.diffusion_model(x)
@@ -841,7 +841,7 @@ def test_gelu_runs_in_the_gemm_and_the_model_matches_unpatched(mode, copies, gel
     # block's too; otherwise (and for the other methods) that one stays ComfyUI's GELU.
     copied = copies and mode == "fp8"
     assert gelu_calls == ([] if copied else [(2, 40, 96)] * 2), gelu_calls
-    assert kernels.stats.counts().get("linear_epilogue_activation", 0) == (4 if copied else 2)
+    assert kernels.core.stats.counts().get("linear_epilogue_activation", 0) == (4 if copied else 2)
     assert torch.equal(first, second)
     err = _rel_l2(second, expected)
     assert 0 < err < MODEL_TOL, err

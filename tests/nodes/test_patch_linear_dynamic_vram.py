@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from triton_accel import kernels
-from triton_accel.kernels.linear import prepare_weight_per_call
+from triton_accel.kernels.linear.dispatch import prepare_weight_per_call
 from triton_accel.nodes import call_stats
 from triton_accel.nodes import patch_linear as pl
 from triton_accel.nodes.settings import AccelSettings
@@ -42,7 +42,7 @@ STREAMED_PATH = "fp8_w8a8 (dynamic VRAM)"
 @pytest.fixture(autouse=True)
 def _fresh_counters():
     call_stats.reset()
-    kernels.stats.reset()
+    kernels.core.stats.reset()
 
 
 def _linear_stats() -> dict:

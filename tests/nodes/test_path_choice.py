@@ -1,8 +1,8 @@
-"""The path each device gets, over a table of real cards x Triton versions (kernels/gpu_rules.py,
+"""The path each device gets, over a table of real cards x Triton versions (kernels/core/gpu_rules.py,
 what the Settings node decides with)."""
 import pytest
 
-from triton_accel.kernels.gpu_rules import (
+from triton_accel.kernels.core.gpu_rules import (
     PATH_PYTORCH, PATH_TRITON_FP16, PATH_TRITON_FP8, Facts as DeviceFacts, select_path,
 )
 
@@ -117,7 +117,7 @@ def test_forced_mode_says_it_was_overridden(facts, mode, overridden):
 
 
 def test_blocked_decisions_carry_the_rule_code():
-    from triton_accel.kernels import gpu_rules
+    from triton_accel.kernels.core import gpu_rules
 
     assert select_path(nvidia("sm_61")).code == gpu_rules.GPU_TOO_OLD
     assert select_path(nvidia("sm_75", "3.3.1")).code == gpu_rules.TURING_DROPPED
@@ -177,7 +177,7 @@ def test_amd_path_per_gfx_family(arch, mode):
 def test_amd_fp8_needs_a_triton_that_compiles_e4m3_for_the_target():
     """gfx12 gets e4m3 from Triton 3.4, gfx950 from 3.3 (gpu_rules.AMD_FP8_MIN_TRITON, checked
     against the releases' HIP backends in tests/compile/test_compile_amd.py)."""
-    from triton_accel.kernels.gpu_rules import AMD_FP8_TRITON, select_linear_method
+    from triton_accel.kernels.core.gpu_rules import AMD_FP8_TRITON, select_linear_method
 
     old = select_path(amd("gfx1201", "3.3.1"), "fp8")
     assert (old.path, old.code, old.overridden) == (PATH_TRITON_FP16, AMD_FP8_TRITON, True), old
@@ -203,7 +203,7 @@ AMD_LINEAR = {
 
 @pytest.mark.parametrize("arch, mode", list(AMD_LINEAR), ids=[f"{a}-{m}" for a, m in AMD_LINEAR])
 def test_amd_linear_method_per_gfx_family(arch, mode):
-    from triton_accel.kernels.gpu_rules import select_linear_method
+    from triton_accel.kernels.core.gpu_rules import select_linear_method
 
     method, overridden, words = AMD_LINEAR[(arch, mode)]
     d = select_linear_method(amd(arch), mode)
@@ -213,7 +213,7 @@ def test_amd_linear_method_per_gfx_family(arch, mode):
 
 
 def _fake_device(monkeypatch, info):
-    from triton_accel.kernels import device as device_mod
+    from triton_accel.kernels.core import device as device_mod
 
     monkeypatch.setattr(device_mod, "describe", lambda device=None: info)
 
@@ -230,13 +230,15 @@ def test_amd_kernel_refusals_agree_with_the_rules(monkeypatch, arch, fp8_ok, int
     from triton_accel import kernels as K
     import importlib
 
-    from triton_accel.kernels import attention_int8, gpu_rules
-    from triton_accel.kernels.kernel_common import fp8_device_refusal
-    from triton_accel.kernels.registry import Call
+    from triton_accel.kernels.attention import int8 as attention_int8
 
-    linear_mod = importlib.import_module("triton_accel.kernels.linear")  # the package exports a function of that name
+    from triton_accel.kernels.core import gpu_rules
+    from triton_accel.kernels.core.kernel_common import fp8_device_refusal
+    from triton_accel.kernels.core.registry import Call
 
-    info = K.device.DeviceInfo("cuda", "amd", AMD_CARDS[arch], (9, 4), arch)
+    linear_mod = importlib.import_module("triton_accel.kernels.linear.dispatch")  # the package exports a function of that name
+
+    info = K.core.device.DeviceInfo("cuda", "amd", AMD_CARDS[arch], (9, 4), arch)
     _fake_device(monkeypatch, info)
     gpu = torch.device("cuda", 0)
     assert (fp8_device_refusal(gpu, "FP8 attention") is None) == fp8_ok
@@ -260,7 +262,7 @@ def test_intel_xpu_gets_pytorch_with_a_one_line_reason(monkeypatch):
     kernel launched on it."""
     import torch
 
-    from triton_accel.kernels import gpu_rules, selfcheck
+    from triton_accel.kernels.core import gpu_rules, selfcheck
     from triton_accel.nodes import device_probe
 
     def no_launch(device):
@@ -288,7 +290,7 @@ spec = importlib.util.spec_from_file_location("triton_accel", os.path.join(root,
                                               submodule_search_locations=[root])
 pack = importlib.util.module_from_spec(spec); sys.modules["triton_accel"] = pack; spec.loader.exec_module(pack)
 from triton_accel import kernels as K
-from triton_accel.kernels import gpu_rules, stats
+from triton_accel.kernels.core import gpu_rules, stats
 from triton_accel.nodes import device_probe
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, 2, 64, 32, dtype=torch.float16) for _ in range(3))

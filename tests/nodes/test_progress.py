@@ -2,7 +2,7 @@
 
 - auto's first-call timing drives ComfyUI's progress bar (one step for ComfyUI's attention, one
   per candidate path) when comfy.utils is loaded, and runs without it;
-- kernels.tuning's autotuning reaches ComfyUI's progress bar through the hook speed_choice
+- kernels.core.tuning's autotuning reaches ComfyUI's progress bar through the hook speed_choice
   installs (kernels/ never imports ComfyUI);
 - speed_lines(): one short line per shape class auto measured on the model's device, at most
   MAX_SPEED_LINES, the rest summarised; status.models_status() hands them to the node's text.
@@ -16,9 +16,9 @@ import types
 import pytest
 import torch
 
-from triton_accel.kernels import tuning
-from triton_accel.kernels.gpu_rules import PATH_TRITON_FP16 as FP16
-from triton_accel.kernels.gpu_rules import PATH_TRITON_FP8 as FP8
+from triton_accel.kernels.core import tuning
+from triton_accel.kernels.core.gpu_rules import PATH_TRITON_FP16 as FP16
+from triton_accel.kernels.core.gpu_rules import PATH_TRITON_FP8 as FP8
 from triton_accel.nodes import call_stats, speed_choice, status
 from triton_accel.nodes.speed_choice import ORIGINAL, SpeedChoice
 
@@ -84,7 +84,7 @@ def test_first_call_timing_without_comfyui(tmp_path, monkeypatch):
     assert sc.choose("key", _candidates([FP16, ORIGINAL]), torch.device("cpu"))[0] == FP16
 
 
-# ---- autotuning, through kernels.tuning's hook ----------------------------------------------------
+# ---- autotuning, through kernels.core.tuning's hook ----------------------------------------------------
 
 def test_speed_choice_installs_the_autotune_hook(comfy_utils):
     hook = tuning._progress_hook
@@ -162,7 +162,7 @@ def test_models_status_carries_the_speed_lines_of_the_models_device(monkeypatch)
 def test_patch_records_the_device_auto_measured_on(tmp_path, monkeypatch):
     """The override notes the device where auto measures, so its node shows that device's lines
     (CUDA timing faked: the CPU stands in for the GPU, fake timings decide)."""
-    from triton_accel.kernels.gpu_rules import Decision
+    from triton_accel.kernels.core.gpu_rules import Decision
     from triton_accel.nodes import patch_attention
 
     sc = SpeedChoice(tmp_path / "speed.json", timer=lambda fn, device: (1.0, fn()))

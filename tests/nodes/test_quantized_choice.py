@@ -15,8 +15,8 @@ import logging
 import pytest
 import torch
 
-from triton_accel.kernels import gpu_rules
-from triton_accel.kernels.gpu_rules import (PATH_PYTORCH, PATH_TRITON_FP8, PATH_TRITON_FP16, PATH_TRITON_INT8,
+from triton_accel.kernels.core import gpu_rules
+from triton_accel.kernels.core.gpu_rules import (PATH_PYTORCH, PATH_TRITON_FP8, PATH_TRITON_FP16, PATH_TRITON_INT8,
                                             Facts, select_path)
 from triton_accel.nodes import speed_choice
 from triton_accel.nodes.patch_attention import AttentionOverride, head_slices, speed_key

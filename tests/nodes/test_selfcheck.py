@@ -1,7 +1,7 @@
 """The Triton self-check runs a real kernel (through the interpreter on the CPU)."""
 import torch
 
-from triton_accel.kernels import selfcheck
+from triton_accel.kernels.core import selfcheck
 
 
 def test_selfcheck_runs_a_kernel_on_the_cpu_interpreter():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from triton_accel.kernels.gpu_rules import PATH_TRITON_FP16 as OURS
+from triton_accel.kernels.core.gpu_rules import PATH_TRITON_FP16 as OURS
 from triton_accel.nodes.speed_choice import ORIGINAL, SpeedChoice, shape_class
 
 

@@ -15,7 +15,7 @@ import uuid
 import pytest
 import torch
 
-from triton_accel.kernels import cache_registry
+from triton_accel.kernels.core import cache_registry
 from triton_accel.nodes import call_stats, compiled_ops, step_graph
 from triton_accel.nodes.step_graph import StepGraphs
 

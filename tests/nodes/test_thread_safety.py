@@ -36,7 +36,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from triton_accel import kernels
-from triton_accel.kernels import json_cache
+from triton_accel.kernels.core import json_cache
 from triton_accel.nodes import call_stats, speed_choice
 from triton_accel.nodes import patch_linear as pl
 from triton_accel.nodes.patch_attention import AttentionOverride
@@ -89,7 +89,7 @@ def _run_threads(target, n: int) -> list:
 @pytest.fixture(autouse=True)
 def _fresh_counters():
     call_stats.reset()
-    kernels.stats.reset()
+    kernels.core.stats.reset()
 
 
 @pytest.fixture(autouse=True)
@@ -273,7 +273,7 @@ def test_patched_attention_and_linear_from_many_threads():
               for _ in range(2)]  # two inputs: threads of one input must agree bit for bit
     alone = [(model.diffusion_model(x), override(comfy_attention, q, k, v, 2)) for x, q, k, v in inputs]
     call_stats.reset()
-    kernels.stats.reset()
+    kernels.core.stats.reset()
     barrier = threading.Barrier(KERNEL_THREADS, timeout=BARRIER_TIMEOUT_S)
 
     def work(i):
@@ -294,7 +294,7 @@ def test_patched_attention_and_linear_from_many_threads():
     assert snap["kinds"]["linear"]["handed_back"] == 0
     assert snap["kinds"]["attention"]["served"] == KERNEL_THREADS * KERNEL_CALLS
     assert snap["models"]["Fake #1"]["kinds"]["attention"]["served"] == KERNEL_THREADS * KERNEL_CALLS
-    counts = kernels.stats.counts()
+    counts = kernels.core.stats.counts()
     assert counts.get("triton_linear_fp8_w8a8") == KERNEL_THREADS * KERNEL_CALLS * len(LAYERS)
     assert counts.get("triton_attention") == KERNEL_THREADS * KERNEL_CALLS
 
@@ -522,14 +522,14 @@ def test_stats_counters_are_exact_after_many_threads():
 
     def work(i):
         for _ in range(calls):
-            kernels.stats.increment("triton_attention")
+            kernels.core.stats.increment("triton_attention")
             call_stats.record("triton", path="triton_fp16", model=labels[i])
             call_stats.record("original", "why", kind="linear", model=labels[i])
             speed_choice.note_model_device(labels[i], f"cuda:{i % 2}")
 
     with _switch_often():
         _run_threads(work, THREADS)
-    assert kernels.stats.counts()["triton_attention"] == THREADS * calls
+    assert kernels.core.stats.counts()["triton_attention"] == THREADS * calls
     snap = call_stats.snapshot()
     assert snap["calls"]["triton"] == THREADS * calls
     assert snap["kinds"]["attention"]["served"] == THREADS * calls

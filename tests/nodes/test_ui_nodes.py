@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from triton_accel import nodes as pack_nodes
-from triton_accel.kernels.gpu_rules import MODES, Decision
+from triton_accel.kernels.core.gpu_rules import MODES, Decision
 from triton_accel.nodes import call_stats
 from triton_accel.nodes import settings as settings_mod
 from triton_accel.nodes.patch_attention import OVERRIDE_KEY, TritonAccelPatchAttention

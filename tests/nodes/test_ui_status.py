@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from triton_accel.kernels import selfcheck
+from triton_accel.kernels.core import selfcheck
 from triton_accel.nodes import call_stats, routes, speed_choice, status
 
 
@@ -186,7 +186,7 @@ def test_install_py_report_in_a_folder_it_cannot_write(tmp_path):
      "cuda:0 AMD Radeon RX 7900 XTX: PyTorch attention (AMD_NOT_VALIDATED)"),
 ], ids=["h200", "turing-on-triton-3.5", "amd"])
 def test_startup_line_per_gpu(monkeypatch, facts, expected):
-    from triton_accel.kernels.gpu_rules import PATH_TRITON_FP8, PATH_TRITON_FP16, Facts
+    from triton_accel.kernels.core.gpu_rules import PATH_TRITON_FP8, PATH_TRITON_FP16, Facts
 
     probed = Facts(device="cuda:0", triton_version="3.5.1", torch_version="2.9.1", torch_cuda="12.8",
                    implemented=frozenset({PATH_TRITON_FP16, PATH_TRITON_FP8}), **facts)

@@ -132,8 +132,8 @@ def fp_fusion_pin(kernel, triton, ASTSource, GPUTarget, legacy) -> dict:
     with kernel_common.LAUNCH_OPTIONS: the compiled enable_fp_fusion flag and the PTX's
     fma.rn.f32 count of each. On releases that warn about that default (3.9), also whether
     parsing each option set warns (the pinned set first: the warning fires once a process)."""
-    launch = kernel("kernel_common").LAUNCH_OPTIONS
-    fn, sig, constexprs, attrs, opts = kernel("layer_norm_modulate").compile_specs(dtype="bf16", channels=5120)[0]
+    launch = kernel("core.kernel_common").LAUNCH_OPTIONS
+    fn, sig, constexprs, attrs, opts = kernel("fused.layer_norm_modulate").compile_specs(dtype="bf16", channels=5120)[0]
     target = GPUTarget("cuda", 86, 32)
     out = {}
     saved = os.environ.get("TRITON_DEFAULT_FP_FUSION")
@@ -175,13 +175,13 @@ def main():
     from triton.compiler import ASTSource
 
     legacy = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 3)
-    at, sk, fp8 = kernel("attention_triton"), kernel("attention_short_kv"), kernel("attention_fp8")
-    fp8q = kernel("attention_fp8_quant")
+    at, sk, fp8 = kernel("attention.flash"), kernel("attention.short_kv"), kernel("attention.fp8")
+    fp8q = kernel("attention.fp8_quant")
     # (module, compile_specs kwargs): the row kernels at Wan 14B's width, the QK norm at Flux's head dim
-    norm_kernels = ((kernel("norm_rope"), {"channels": 5120}), (kernel("layer_norm_modulate"), {"channels": 5120}),
-                    (kernel("qk_norm"), {"head_dim": 128}), (kernel("gated_residual_norm"), {"channels": 5120}),
-                    (kernel("qk_norm_rope"), {"head_dim": 128}))
-    gpu_rules = kernel("gpu_rules")
+    norm_kernels = ((kernel("fused.norm_rope"), {"channels": 5120}), (kernel("fused.layer_norm_modulate"), {"channels": 5120}),
+                    (kernel("fused.qk_norm"), {"head_dim": 128}), (kernel("fused.gated_residual_norm"), {"channels": 5120}),
+                    (kernel("fused.qk_norm_rope"), {"head_dim": 128}))
+    gpu_rules = kernel("core.gpu_rules")
     report = {"triton": triton.__version__, "triton_file": triton.__file__, "features": features(tl),
               "import_seconds": round(time.time() - t_import, 2), "refused": {}, "cases": []}
 
@@ -252,19 +252,19 @@ def main():
                     build(name, "fused_norms", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
                           (fn, sig, constexprs, attrs), opts, target)
             # Flux's blocks: the gated residual whose product is rounded on its bits first.
-            for module, kwargs in ((kernel("layer_norm_modulate"), {"channels": 3072, "residual": True, "gate": True}),
-                                   (kernel("gated_residual_norm"), {"channels": 3072, "norm": False})):
+            for module, kwargs in ((kernel("fused.layer_norm_modulate"), {"channels": 3072, "residual": True, "gate": True}),
+                                   (kernel("fused.gated_residual_norm"), {"channels": 3072, "norm": False})):
                 for fn, sig, constexprs, attrs, opts in module.compile_specs(dtype="bf16", round_product=True, **kwargs):
                     build(name, "fused_norms_flux", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
                           (fn, sig, constexprs, attrs), opts, target)
         # The norm kernels with the FP8 Linear's e4m3 rows (sm_89+, where that Linear runs).
         if name in ("sm89", "sm90"):
-            for module, kwargs in ((kernel("layer_norm_modulate"), {"residual": True}), (kernel("gated_residual_norm"), {})):
+            for module, kwargs in ((kernel("fused.layer_norm_modulate"), {"residual": True}), (kernel("fused.gated_residual_norm"), {})):
                 for fn, sig, constexprs, attrs, opts in module.compile_specs(dtype="bf16", fp8_rows=True, **kwargs):
                     build(name, "fused_norms_fp8_rows", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
                           (fn, sig, constexprs, attrs), opts, target)
             # Flux's single block: linear2's concatenated input with its e4m3 rows.
-            for fn, sig, constexprs, attrs, opts in kernel("cat_fp8_rows").compile_specs(dtype="bf16"):
+            for fn, sig, constexprs, attrs, opts in kernel("linear.cat_fp8_rows").compile_specs(dtype="bf16"):
                 build(name, "fused_norms_fp8_rows", fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__,
                       (fn, sig, constexprs, attrs), opts, target)
     try:

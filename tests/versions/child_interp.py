@@ -10,7 +10,7 @@ Tolerances (relative L2 against the float32 reference), as in tests/kernels/:
 - fp16: 2e-3 (p is rounded to fp16 before P@V); fp32: 1e-5 (the interpreter's fp32 dots are
   exact numpy products);
 - FP8 against attention_fp8_emulated (the same quantisation done in torch): 5e-3;
-- the fused norms (kernels/norm_rope.py, layer_norm_modulate.py, qk_norm.py), fp16, against their
+- the fused norms (kernels/fused/norm_rope.py, layer_norm_modulate.py, qk_norm.py), fp16, against their
   references: 1e-3.
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main():
     rec = {"name": "fp8_d64_bool_mask_fp16", "tol": FP8_TOL_EMU, "kernel": "triton_fp8"}
     t = time.time()
     try:
-        fp8 = importlib.import_module("ta_interp.kernels.attention_fp8")
+        fp8 = importlib.import_module("ta_interp.kernels.attention.fp8")
         q, k, v, m = make_case(1, 2, 2, 37, 45, 64, "bool", torch.float16)
         out = fp8.attention_fp8(q, k, v, attn_mask=m)
         err = rel_l2(out, fp8.attention_fp8_emulated(q, k, v, attn_mask=m))
@@ -139,7 +139,7 @@ def main():
 
 
 def _rms_norm_rope_case(torch):
-    nr = importlib.import_module("ta_interp.kernels.norm_rope")
+    nr = importlib.import_module("ta_interp.kernels.fused.norm_rope")
     x = rand((2, 13, 192), torch.float16, 5) * 3
     weight = rand((192,), torch.float32, 6).abs().half() + 0.5
     angles = rand((1, 13, 1, 32), torch.float32, 7)
@@ -148,7 +148,7 @@ def _rms_norm_rope_case(torch):
 
 
 def _qk_rms_norm_case(torch):
-    qkn = importlib.import_module("ta_interp.kernels.qk_norm")
+    qkn = importlib.import_module("ta_interp.kernels.fused.qk_norm")
     q, k, _v = (rand((2, 13, 3 * 3 * 64), torch.float16, 11) * 3).view(2, 13, 3, 3, 64).permute(2, 0, 3, 1, 4)
     wq, wk = rand((64,), torch.float32, 12).abs().half() + 0.5, rand((64,), torch.float32, 13).abs().half() + 0.5
     out, ref = qkn.qk_rms_norm(q, k, wq, wk, 1e-6), qkn.qk_rms_norm_ref(q, k, wq, wk, 1e-6)
@@ -156,7 +156,7 @@ def _qk_rms_norm_case(torch):
 
 
 def _qk_rms_norm_rope_case(torch):
-    qnr = importlib.import_module("ta_interp.kernels.qk_norm_rope")
+    qnr = importlib.import_module("ta_interp.kernels.fused.qk_norm_rope")
     q, k, _v = (rand((2, 13, 3 * 3 * 64), torch.float16, 19) * 3).view(2, 13, 3, 3, 64).permute(2, 0, 3, 1, 4)
     wq, wk = rand((64,), torch.float32, 20).abs().half() + 0.5, rand((64,), torch.float32, 21).abs().half() + 0.5
     angles = rand((1, 1, 17, 32), torch.float32, 22)
@@ -169,14 +169,14 @@ def _qk_rms_norm_rope_case(torch):
 
 
 def _layer_norm_modulate_case(torch):
-    lnm = importlib.import_module("ta_interp.kernels.layer_norm_modulate")
+    lnm = importlib.import_module("ta_interp.kernels.fused.layer_norm_modulate")
     x = rand((2, 13, 200), torch.float16, 8) * 3 + 1
     shift, scale = rand((2, 1, 200), torch.float16, 9) * 0.3, rand((2, 1, 200), torch.float16, 10) * 0.3
     return lnm.layer_norm_modulate(x, shift, scale, 1e-6), lnm.layer_norm_modulate_ref(x, shift, scale, 1e-6)
 
 
 def _gated_residual_norm_case(torch):
-    grn = importlib.import_module("ta_interp.kernels.gated_residual_norm")
+    grn = importlib.import_module("ta_interp.kernels.fused.gated_residual_norm")
     x, y = rand((2, 13, 200), torch.float16, 14) * 3 + 1, rand((2, 13, 200), torch.float16, 15)
     gate = rand((2, 1, 200), torch.float16, 16) * 0.5
     weight, bias = rand((200,), torch.float32, 17).abs().half() + 0.5, rand((200,), torch.float16, 18)

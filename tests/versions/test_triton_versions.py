@@ -32,7 +32,7 @@ _spec = importlib.util.spec_from_file_location("triton_version_matrix", Path(__f
 vm = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = vm
 _spec.loader.exec_module(vm)
-gpu_rules = importlib.import_module("triton_accel.kernels.gpu_rules")
+gpu_rules = importlib.import_module("triton_accel.kernels.core.gpu_rules")
 
 VERSIONS = list(vm.RELEASES)
 LLD_MISSING = "ld.lld not found"
@@ -225,7 +225,7 @@ def test_jit_code_has_no_chained_boolean_operators():
     operators are not supported"); newer releases accept it, so only this check and the
     old-release compiles above catch it. Offline and instant."""
     chains = []
-    for path in sorted((vm.ROOT / "kernels").glob("*.py")):
+    for path in sorted((vm.ROOT / "kernels").rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         for fn in ast.walk(tree):
             if isinstance(fn, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in fn.decorator_list):
