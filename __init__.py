@@ -68,7 +68,7 @@ if _inside_comfyui():
     try:
         # Other packs' attention implementations: `import triton_accel` from now on, and the
         # register_triton_accel(api) hooks of packs loaded before this one (docs/extension_api.md).
-        from .nodes.extension_hooks import setup as _setup_extension_api
+        from .runtime.extension_hooks import setup as _setup_extension_api
 
         _setup_extension_api(__name__)
     except Exception:

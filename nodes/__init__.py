@@ -1,8 +1,9 @@
-"""ComfyUI nodes of the pack. Imports ComfyUI only inside functions that run in ComfyUI."""
-from .benchmark import TritonAccelBenchmark
-from .patch_attention import TritonAccelPatchAttention
-from .patch_linear import TritonAccelPatch, TritonAccelPatchLinear
-from .settings import TritonAccelSettings
+"""ComfyUI nodes of the pack: the node classes (inputs, outputs, the text on the node), the
+server routes and the status payload; the engine they call is the runtime package. Imports
+ComfyUI only inside functions that run in ComfyUI."""
+from .benchmark_node import TritonAccelBenchmark
+from .patch_nodes import TritonAccelPatch, TritonAccelPatchAttention, TritonAccelPatchLinear
+from .settings_node import TritonAccelSettings
 
 NODE_CLASS_MAPPINGS = {
     "TritonAccelSettings": TritonAccelSettings,

@@ -7,13 +7,14 @@ a command or code; the routes have fixed paths and ignore query strings. The one
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 
 from .. import kernels
 from ..kernels.core import extensions
-from . import call_stats
+from ..runtime import call_stats
+from ..runtime.linear_state import fallback_report
+from . import benchmark_node
 from .status import status_payload
 
 log = logging.getLogger("triton_accel")
@@ -23,7 +24,6 @@ MAX_BODY_BYTES = 4096
 
 
 def stats_payload() -> dict:
-    from .patch_linear import fallback_report  # patch_linear imports the node modules
 
     payload = call_stats.snapshot()
     payload["kernels"] = kernels.core.stats.counts()
@@ -51,14 +51,8 @@ async def body_too_large(request) -> bool:
 
 
 def _benchmark_routes(routes) -> None:
-    """The Benchmark node's chart and JSON routes, when that node ships in this version."""
-    try:
-        benchmark = importlib.import_module(".benchmark", __package__)
-    except ImportError:
-        return
-    register = getattr(benchmark, "register_benchmark_routes", None)
-    if register is not None:
-        register(routes)
+    """The Benchmark node's chart and JSON routes."""
+    benchmark_node.register_benchmark_routes(routes)
 
 
 def register_routes() -> bool:

@@ -11,7 +11,6 @@ remaining fix as one line), `benchmark` (the Benchmark node's last result, when 
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import time
@@ -22,9 +21,10 @@ import torch
 from .. import __version__ as PACK_VERSION
 from .. import kernels
 from ..kernels.core import extensions, gpu_rules
-from . import call_stats
-from .device_probe import cached_facts, probe, summary
-from .settings import decisions_made, linear_decisions_made, user_facing
+from ..runtime import call_stats, linear_choice, speed_choice
+from ..runtime.device_probe import cached_facts, probe, summary
+from ..runtime.settings import decisions_made, linear_decisions_made, user_facing
+from . import benchmark_node
 
 log = logging.getLogger("triton_accel")
 
@@ -96,10 +96,9 @@ def _counts_for_people(counts: dict) -> dict:
 def _speed_lines_of(label: str, rows: list[dict] | None) -> list[str]:
     """auto's measured speed-up on the devices this model ran on (its patch node's text)."""
     try:
-        speed_choice = importlib.import_module(".speed_choice", __package__)
         devices = speed_choice.model_devices(label)
         lines = speed_choice.speed_lines(devices, rows=rows) if devices else []
-        return lines + importlib.import_module(".linear_choice", __package__).model_lines(label)
+        return lines + linear_choice.model_lines(label)
     except Exception as e:  # the counts must still show
         log.debug("Triton Accel: speed lines for %s: %s: %s", label, type(e).__name__, e)
         return []
@@ -118,9 +117,7 @@ def models_status(snapshot: dict | None = None, speed_rows: list[dict] | None = 
 
 def _speed_cache_entries() -> list[dict]:
     """auto's measurements read from its cache file (when speed_summary() is not there)."""
-    from .speed_choice import default_cache_file
-
-    document, _ = read_json_file(default_cache_file())
+    document, _ = read_json_file(speed_choice.default_cache_file())
     entries = document.get("entries") if isinstance(document, dict) else None
     if not isinstance(entries, dict):
         return []
@@ -141,7 +138,7 @@ def _speed_cache_entries() -> list[dict]:
 def linear_measurements() -> list[dict]:
     """The Linear call classes auto timed, ours against ComfyUI's (linear_choice)."""
     try:
-        return importlib.import_module(".linear_choice", __package__).measured_rows(MAX_MEASUREMENTS)
+        return linear_choice.measured_rows(MAX_MEASUREMENTS)
     except Exception as e:  # the panel must still render
         log.warning("Triton Accel: Linear measurements could not be read: %s: %s", type(e).__name__, e)
         return []
@@ -149,7 +146,6 @@ def linear_measurements() -> list[dict]:
 
 def measurements() -> dict:
     try:
-        speed_choice = importlib.import_module(".speed_choice", __package__)
         summary_fn = getattr(speed_choice, "speed_summary", None)
         rows = summary_fn() if summary_fn is not None else _speed_cache_entries()
     except Exception as e:
@@ -183,11 +179,7 @@ def install_health(report_path: Path | None = None) -> dict:
 
 def benchmark_status() -> dict:
     """The Benchmark node's last result, if that node exists and has written one."""
-    try:
-        benchmark = importlib.import_module(".benchmark", __package__)
-    except ImportError:
-        return {"found": False, "why": "no benchmark node in this version"}
-    last_result_path = getattr(benchmark, "last_result_path", None)
+    last_result_path = getattr(benchmark_node, "last_result_path", None)
     if last_result_path is None:
         return {"found": False, "why": "no benchmark node in this version"}
     try:
@@ -197,7 +189,7 @@ def benchmark_status() -> dict:
     document, why = read_json_file(path)
     if document is None:
         return {"found": False, "why": why if why != "not written yet" else "run the Triton Accel Benchmark node"}
-    chart_path = getattr(benchmark, "last_chart_path", None)
+    chart_path = getattr(benchmark_node, "last_chart_path", None)
     chart = Path(chart_path()) if chart_path is not None else path.with_suffix(".png")
     return {"found": True, "result": document,
             "chart_url": "/triton_accel/benchmark.png" if chart.exists() else None}

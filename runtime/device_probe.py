@@ -13,7 +13,7 @@ from ..kernels.core.gpu_rules import BACKEND_OF_PATH, Facts
 
 _cache: dict[str, Facts] = {}
 _lock = threading.Lock()
-cache_registry.register("nodes.device_probe", _cache.clear)
+cache_registry.register("runtime.device_probe", _cache.clear)
 
 
 def _normalise(device) -> torch.device:

@@ -236,10 +236,8 @@ def model_lines(label: str) -> list[str]:
 
 def measured_rows(limit: int = 64) -> list[dict]:
     """The Linear classes auto timed (this process's and the cache file's), for the status panel."""
-    from .call_timing import shared_linear
-
     rows = []
-    for key, entry in list(shared_linear().snapshot().items())[:limit]:
+    for key, entry in list(call_timing.shared_linear().snapshot().items())[:limit]:
         rows.append({"shape_class": entry.get("shape_class", key.split("|")[-1]), "mode": entry.get("mode"),
                      "gpu": entry.get("gpu"), "ours": entry.get("ours"), "ours_ms": entry.get("ours_ms"),
                      "theirs_ms": entry.get("theirs_ms")})

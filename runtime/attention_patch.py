@@ -1,4 +1,4 @@
-"""TritonAccelPatchAttention: our attention in any model, through ComfyUI's per-model hook.
+"""Our attention in any model, through ComfyUI's per-model hook (the Attention and Patch nodes).
 
 ComfyUI's attention backends share `attention_X(q, k, v, heads, mask=None, attn_precision=None,
 skip_reshape=False, skip_output_reshape=False, **kwargs)`, and `wrap_attn` hands every call
@@ -21,11 +21,11 @@ import torch
 from .. import __version__ as PACK_VERSION
 from .. import kernels
 from ..kernels.core import env_settings, extensions
-from . import call_stats, call_timing, compiled_ops, patch_fused_norms, step_graph
+from . import call_stats, call_timing, compiled_ops, fused_norms, step_graph
 from .device_probe import probe
 from ..kernels.core.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
 from ..kernels.core.registry import BackendUnavailableError
-from .settings import SEARCH_ALIASES, SETTINGS_TYPE, AccelSettings, patched_model_text
+from .settings import AccelSettings
 from .speed_choice import ORIGINAL, SpeedChoice, note_model_device, shape_class
 from .speed_choice import shared as shared_speed_choice
 
@@ -453,8 +453,9 @@ def _register_compiled_op() -> None:
 COMPILED_OP_ERROR = compiled_ops.registration_error(_register_compiled_op, "attention")
 
 
-def patch_model(model, settings: AccelSettings | None = None):
-    """A clone of `model` whose attention goes through our override."""
+def patch_attention(model, settings: AccelSettings | None = None):
+    """A clone of `model` whose attention goes through our override (the override alone: the
+    fused norm/RoPE passes and the step graphs are installed by their own calls)."""
     settings = settings or AccelSettings("auto")
     patched = model.clone()
     to = patched.model_options.setdefault("transformer_options", {})
@@ -462,39 +463,27 @@ def patch_model(model, settings: AccelSettings | None = None):
     label = call_stats.new_model_label(type(getattr(model, "model", model)).__name__)
     to[OVERRIDE_KEY] = AttentionOverride(settings, previous=to.get(OVERRIDE_KEY), label=label)
     compiled_ops.add_active_model_wrapper(patched, to[OVERRIDE_KEY].token)
-    step_graph.install(patched, label)
-    if settings.mode != "off" and patch_fused_norms.enabled():
-        patch_fused_norms.patch_fused_norms(patched, label)
     return patched
 
 
-class TritonAccelPatchAttention:
-    CATEGORY = "Triton Accel"
-    DESCRIPTION = ("Puts Triton Accel's attention into a model (SD1.5, SDXL, SD3, Flux, Wan, HunyuanVideo, LTXV, "
-                   "Qwen-Image, Lumina 2...). Calls it cannot serve go to ComfyUI's own attention. Shows the "
-                   "patched model's label and the path chosen for its GPU; the Triton Accel side panel counts "
-                   "the calls served and handed back per model.")
-    SEARCH_ALIASES = SEARCH_ALIASES
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The same model with Triton Accel attention (the input model is left untouched).",)
-    FUNCTION = "patch"
+def override_of(patched) -> AttentionOverride:
+    """The override patch_attention put on a clone (its label names the model in call_stats)."""
+    return patched.model_options["transformer_options"][OVERRIDE_KEY]
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "model": ("MODEL", {"tooltip": "The diffusion model to speed up (from a loader or a LoRA node)."}),
-            },
-            "optional": {
-                "settings": (SETTINGS_TYPE, {
-                    "tooltip": "From Triton Accel Settings. Not connected: auto (the fastest safe path per GPU)."}),
-            },
-        }
 
-    def patch(self, model, settings: AccelSettings | None = None):
-        patched = patch_model(model, settings)
-        label = patched.model_options["transformer_options"][OVERRIDE_KEY].label
-        # triton_accel_model: the web extension matches the node to its counts in /triton_accel/status.
-        return {"ui": {"text": [patched_model_text(patched, label, settings or AccelSettings("auto"))],
-                       "triton_accel_model": [label]},
-                "result": (patched,)}
+def fused_norms_wanted(settings: AccelSettings) -> bool:
+    """Whether the fused norm/RoPE passes go with our attention: not in mode off, nor with
+    TRITON_ACCEL_FUSED_NORMS=off."""
+    return settings.mode != "off" and fused_norms.enabled()
+
+
+def patch_model(model, settings: AccelSettings | None = None):
+    """What the Attention node installs, in one call (tests, benchmarks): patch_attention, then
+    the step graphs and, where fused_norms_wanted, the fused norm/RoPE passes."""
+    settings = settings or AccelSettings("auto")
+    patched = patch_attention(model, settings)
+    label = override_of(patched).label
+    step_graph.install(patched, label)
+    if fused_norms_wanted(settings):
+        fused_norms.patch_fused_norms(patched, label)
+    return patched

@@ -26,8 +26,8 @@ import torch
 from .. import kernels
 from ..kernels.core import extensions
 from ..kernels.core.gpu_rules import BACKEND_OF_PATH, LINEAR_LABEL, PATH_LABEL
-from .patch_linear import EXT_GUARD_MAX_REL_L2, GUARD_MAX_REL_L2, MIN_TOKENS, SKIP_AUTO, SkipPatterns
-from .speed_choice import LOSSLESS_BAR, agreement, agreement_bar, agrees
+from .guards import LOSSLESS_BAR, agreement, agreement_bar, agrees
+from .linear_common import EXT_GUARD_MAX_REL_L2, GUARD_MAX_REL_L2, MIN_TOKENS, SKIP_AUTO, SkipPatterns
 
 log = logging.getLogger("triton_accel.benchmark")  # not __name__: the clone's folder name
 

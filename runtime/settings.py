@@ -1,4 +1,5 @@
-"""TritonAccelSettings: detect the GPU, pick the attention path, say why on the node."""
+"""AccelSettings: the attention and Linear modes a Settings node chose, and the decision for each
+device (detect the GPU, pick the path, say why), remembered per device for the status route."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,9 +8,10 @@ import threading
 
 import torch
 
-from .device_probe import probe, summary
 from ..kernels.core import extensions
+from ..kernels.core.device import describe
 from ..kernels.core.gpu_rules import LINEAR_MODES, MODES, PATH_LABEL, Decision, select_linear_method, select_path
+from .device_probe import probe
 
 log = logging.getLogger("triton_accel")
 
@@ -108,8 +110,6 @@ class AccelSettings:
 
     def _select(self, device) -> Decision:
         if extensions.is_extension_path(self.mode):  # another pack's attention, forced
-            from ..kernels.core.device import describe
-
             return extensions.forced_decision(self.mode, describe(device))
         return select_path(probe(device), self.mode)
 
@@ -131,8 +131,6 @@ class AccelSettings:
 
     def _select_linear(self, device, weight_is_fp8: bool) -> Decision:
         if extensions.is_extension_path(self.linear_mode):  # another pack's Linear, forced
-            from ..kernels.core.device import describe
-
             return extensions.forced_decision(self.linear_mode, describe(device), kind=extensions.KIND_LINEAR)
         return select_linear_method(probe(device), self.linear_mode, weight_is_fp8)
 
@@ -213,119 +211,3 @@ def linear_mode_labels() -> dict[str, str]:
     for entry in extensions.list_extensions(extensions.KIND_LINEAR):
         labels[entry["path"]] = f"{entry['path']} ({entry['label']}, from {entry['pack']})"
     return labels
-
-
-def describe_decision(settings: AccelSettings, device) -> str:
-    facts = probe(device)
-    decision = settings.decision_for(device)
-    return f"{decision.reason}\n[{summary(facts)}]\n{linear_text(settings, device)}"
-
-
-def linear_text(settings: AccelSettings, device) -> str:
-    """The Linear decision(s) for `device` and the layers the quality guard sent back."""
-    from .patch_linear import extension_plan_text, fallback_summary  # patch_linear imports this module
-
-    linear = settings.linear_decision_for(device)
-    text = f"Linear: {linear.reason}"
-    linear_fp8 = settings.linear_decision_for(device, weight_is_fp8=True)
-    if linear_fp8.path != linear.path:
-        text += f"\nLinear, FP8 checkpoint weights: {linear_fp8.reason}"
-    plan = extension_plan_text(settings, device)
-    if plan:
-        text += f"\n{plan}"
-    fallbacks = fallback_summary()
-    return f"{text}\n{fallbacks}" if fallbacks else text
-
-
-def decision_text(settings: AccelSettings, device) -> str:
-    """The decision for `device` as the node shows it; logged once per node execution at INFO."""
-    text = describe_decision(settings, device)
-    log.info("Triton Accel on %s: %s", device, settings.decision_for(device).reason)
-    return text
-
-
-def patched_model_text(model, label: str, settings: AccelSettings) -> str:
-    """What a patch node shows: the clone's label (as the status panel names it) and the
-    decision for the device the model will run on. Never raises: a patch node must patch."""
-    device = getattr(model, "load_device", None)
-    try:
-        device = torch.device(device) if device is not None else default_device()
-        return f"{label} on {device}: {decision_text(settings, device)}"
-    except Exception as e:
-        log.warning("Triton Accel: could not probe device %r for %s: %s: %s", device, label, type(e).__name__, e)
-        return f"{label}: could not probe device {str(device)!r} ({type(e).__name__}: {e}); each call is decided " \
-               "when it arrives"
-
-
-class TritonAccelSettings:
-    CATEGORY = "Triton Accel"
-    DESCRIPTION = ("Picks the attention path for each GPU and shows the choice and why. auto: our Triton FP16/BF16 "
-                   "kernel (and FP8 on sm_89+, INT8 on Turing/Ampere, where the GPU has them) is timed against "
-                   "ComfyUI's own attention at each shape and kept only where it is faster and gives the same "
-                   "result. Turing with Triton 3.3+, AMD, older GPUs and the CPU keep PyTorch attention in auto.")
-    SEARCH_ALIASES = SEARCH_ALIASES
-    RETURN_TYPES = (SETTINGS_TYPE,)
-    RETURN_NAMES = ("settings",)
-    OUTPUT_TOOLTIPS = ("Connect to a Triton Accel patch node.",)
-    FUNCTION = "configure"
-    OUTPUT_NODE = True  # runs (and shows its decision) even when nothing is connected
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "mode": (mode_choices(), {
-                    "default": "auto",
-                    "tooltip": "auto: the fastest safe path for each GPU, timed against ComfyUI's own attention "
-                               "so it is never slower. fp8 / int8 / fp16: force that Triton path (fp16 means "
-                               "FP16 and BF16: the model's own precision). off: ComfyUI's attention, untouched. "
-                               "A forced mode the GPU cannot run says so on the node. ext:<name>: the attention "
-                               "another node pack registered (docs/extension_api.md), forced.",
-                    "triton_accel_labels": mode_labels(),
-                }),
-            },
-            "optional": {
-                "device": (device_choices(), {
-                    "default": DEVICE_AUTO,
-                    "tooltip": "The device whose decision is shown here (auto: ComfyUI's main device). Every "
-                               "GPU still gets its own decision when the model runs on it.",
-                }),
-                "linear": (linear_mode_choices(), {
-                    "default": "auto",
-                    "tooltip": "Linear layers (Triton Accel Patch Linear / Patch): auto: FP8 W8A8 on sm_89+, "
-                               "INT8 W8A8 on sm_75-sm_86 (FP8 weight-only on sm_80/86 for FP8 checkpoints), "
-                               "ComfyUI's Linear elsewhere; Linear extensions of other packs join by priority "
-                               "there. fp8 / int8 / fp8_weight_only: force that method. ext:<name>: the Linear "
-                               "another node pack registered (docs/extension_api.md), forced. off: ComfyUI's "
-                               "Linear layers, untouched.",
-                    "triton_accel_labels": linear_mode_labels(),
-                }),
-            },
-        }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, mode="auto", device=DEVICE_AUTO, linear="auto"):
-        # Workflows saved while `device` was free text carry values the dropdown may not list
-        # ("cuda:1" on a one-GPU machine, a typo): they run, and the node says what is wrong.
-        # Likewise a saved "ext:<name>" (mode or linear) whose pack is not installed here: the
-        # node says so and ComfyUI's attention / Linear runs. Any other value is an error, as
-        # the dropdown's own check was (naming an input here turns ComfyUI's check off for it).
-        if mode not in MODES and not extensions.is_extension_path(mode):
-            return f"mode {mode!r} is not one of {', '.join(MODES)} or ext:<name>"
-        if linear not in LINEAR_MODES and not extensions.is_extension_path(linear):
-            return f"linear {linear!r} is not one of {', '.join(LINEAR_MODES)} or ext:<name>"
-        return True
-
-    def configure(self, mode: str, device: str = DEVICE_AUTO, linear: str = "auto"):
-        settings = AccelSettings(mode, linear_mode=linear)
-        try:
-            target = parse_device(device) or default_device()
-            text = decision_text(settings, target)
-        except DeviceChoiceError as e:
-            log.warning("Triton Accel: %s", e)
-            text = f"{e}. The model still runs; each GPU gets its own decision when the model runs on it."
-        except Exception as e:  # a broken driver: say so, keep the graph running
-            log.warning("Triton Accel: could not probe device %r: %s: %s", device, type(e).__name__, e)
-            text = (f"Could not probe device {device!r}: {type(e).__name__}: {e}. The model still runs; "
-                    "each GPU gets its own decision when the model runs on it.")
-        return {"ui": {"text": [text]}, "result": (settings,)}

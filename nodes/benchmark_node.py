@@ -5,7 +5,7 @@ pass-through recording attention override and forward pre-hooks on the diffusion
 Linear layers; the hooks are removed afterwards and the clone dropped, so nothing is left on
 the input model. Then every recorded shape is timed on the model's device with random data:
 ComfyUI's own attention against each attention path the settings allow, torch's Linear against
-our Linear method (nodes/benchmark_core.py), and the chart is drawn (nodes/benchmark_chart.py).
+our Linear method (runtime/benchmark_core.py), and the chart is drawn (runtime/benchmark_chart.py).
 The last result is kept as JSON + PNG in ComfyUI's user folder for the status panel.
 """
 from __future__ import annotations
@@ -25,11 +25,12 @@ import torch
 from .. import kernels
 from ..kernels.core import extensions
 from ..kernels.core.gpu_rules import PATH_PYTORCH
-from .benchmark_chart import chart_backend, draw_chart, png_bytes
-from .benchmark_core import ShapeRecorder, attention_shape_of, report_text, run_benchmark, sdpa_attention
-from .patch_attention import OVERRIDE_KEY, Unsupported, adapt_call, timed_on
-from .patch_linear import extension_plan, is_linear_module
-from .settings import SETTINGS_TYPE, AccelSettings
+from ..runtime.attention_patch import OVERRIDE_KEY, Unsupported, adapt_call, timed_on
+from ..runtime.benchmark_chart import chart_backend, draw_chart, png_bytes
+from ..runtime.benchmark_core import ShapeRecorder, attention_shape_of, report_text, run_benchmark, sdpa_attention
+from ..runtime.linear_common import is_linear_module
+from ..runtime.linear_state import extension_plan
+from ..runtime.settings import SETTINGS_TYPE, AccelSettings
 
 log = logging.getLogger("triton_accel.benchmark")
 

@@ -38,7 +38,7 @@ import torch
 from ..kernels.core import cache_registry, env_settings
 from . import call_stats, call_timing, compiled_ops
 from .step_check import StepCheck
-from .speed_choice import guard_failure
+from .guards import guard_failure
 
 log = logging.getLogger("triton_accel")
 
@@ -468,7 +468,7 @@ class StepGraphs:
         self.pool = None
 
 
-_OUR_PACKAGE = __name__.rsplit(".nodes.", 1)[0]  # the pack's package, whatever its folder is called
+_OUR_PACKAGE = __name__.rsplit(".runtime.", 1)[0]  # the pack's package, whatever its folder is called
 _object_patch_verdicts: dict = {}  # (id(patcher), id(object_patches), len) -> bool
 
 
