@@ -133,8 +133,8 @@ def rel_l2(a, b) -> float:
 def check_weights(e2e, weights: str, device, failures: list) -> None:
     import torch
 
-    from triton_accel_bench.nodes import call_stats, patch_linear
-    from triton_accel_bench.nodes.settings import AccelSettings
+    from triton_accel_bench.runtime import call_stats, linear_patch
+    from triton_accel_bench.runtime.settings import AccelSettings
 
     settings = AccelSettings("off", linear_mode="fp8")
     base = e2e.build(SPEC, torch.bfloat16, device, "bf16" if weights == "bf16" else "fp8", dynamic_vram=True)
@@ -144,7 +144,7 @@ def check_weights(e2e, weights: str, device, failures: list) -> None:
     inputs = e2e.inputs(SPEC, torch.bfloat16, device)
 
     def patch(model):
-        return patch_linear.patch_linear_model(model, settings, skip="", min_tokens=1)
+        return linear_patch.patch_linear_model(model, settings, skip="", min_tokens=1)
 
     def lora(model, seed=1):
         clone = model.clone()

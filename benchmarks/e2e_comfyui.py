@@ -317,18 +317,18 @@ NOT_COPIED = {"ours-linear-nocopy", "ours-all-nocopy"}
 
 def patch_ours(base, attention_mode, linear_mode, fuse_activations=True, copy_activations=True):
     """The clone the pack's nodes would hand to the sampler for these settings."""
-    from triton_accel_bench.nodes.settings import AccelSettings
+    from triton_accel_bench.runtime.settings import AccelSettings
 
     settings = AccelSettings(attention_mode or "off", linear_mode=linear_mode or "off")
     patched = base
     if attention_mode is not None:
-        from triton_accel_bench.nodes.patch_attention import patch_model
+        from triton_accel_bench.runtime.attention_patch import patch_model
 
         patched = patch_model(patched, settings)
     if linear_mode is not None:
-        from triton_accel_bench.nodes import patch_linear
+        from triton_accel_bench.runtime import linear_patch
 
-        patched = patch_linear.patch_linear_model(patched, settings, fuse_activations=fuse_activations,
+        patched = linear_patch.patch_linear_model(patched, settings, fuse_activations=fuse_activations,
                                                   copy_activations=copy_activations)
     return patched
 
@@ -488,7 +488,7 @@ def run_variant_uncompiled(name, variant, base, x, t, context, kwargs, steps, de
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from triton_accel_bench.nodes import call_stats
+    from triton_accel_bench.runtime import call_stats
 
     ctx = contextlib.nullcontext()
     patcher = base
@@ -589,8 +589,8 @@ def run_benchmark_node(name, base, x, context, kwargs, out_dir):
     step through comfy.sample), its result written to out_dir/benchmark_node_<name>/."""
     import folder_paths
 
-    from triton_accel_bench.nodes.benchmark import benchmark
-    from triton_accel_bench.nodes.settings import AccelSettings
+    from triton_accel_bench.nodes.benchmark_node import benchmark
+    from triton_accel_bench.runtime.settings import AccelSettings
 
     folder_paths.set_user_directory(str(out_dir / f"benchmark_node_{name}"))
     extra = {}

@@ -43,11 +43,13 @@ from _load import load_pack  # noqa: E402
 pack = load_pack()
 kernels = importlib.import_module(pack.__name__ + ".kernels")
 lf = importlib.import_module(pack.__name__ + ".kernels.linear.fp8")
-pl = importlib.import_module(pack.__name__ + ".nodes.patch_linear")
-settings_mod = importlib.import_module(pack.__name__ + ".nodes.settings")
-pa = importlib.import_module(pack.__name__ + ".nodes.patch_attention")
-linear_choice = importlib.import_module(pack.__name__ + ".nodes.linear_choice")
-call_stats_mod = importlib.import_module(pack.__name__ + ".nodes.call_stats")
+linear_common = importlib.import_module(pack.__name__ + ".runtime.linear_common")
+linear_layer = importlib.import_module(pack.__name__ + ".runtime.linear_layer")
+linear_state = importlib.import_module(pack.__name__ + ".runtime.linear_state")
+settings_mod = importlib.import_module(pack.__name__ + ".runtime.settings")
+pa = importlib.import_module(pack.__name__ + ".runtime.attention_patch")
+linear_choice = importlib.import_module(pack.__name__ + ".runtime.linear_choice")
+call_stats_mod = importlib.import_module(pack.__name__ + ".runtime.call_stats")
 
 
 def per_call_us(fn, calls):
@@ -146,11 +148,11 @@ def python_only(rounds: int, calls: int) -> None:
     def stub_run(x, prepared, bias, out_dtype, **kwargs):
         return reference
 
-    backend = pl.LinearBackend(lambda weight, method, scale: Prepared(), stub_run, lambda method, device, dtype: None,
+    backend = linear_common.LinearBackend(lambda weight, method, scale: Prepared(), stub_run, lambda method, device, dtype: None,
                                ValueError)
-    state = pl.LinearPatchState(settings_mod.AccelSettings("off", linear_mode="fp8"), pl.SkipPatterns.parse(""),
+    state = linear_state.LinearPatchState(settings_mod.AccelSettings("off", linear_mode="fp8"), linear_common.SkipPatterns.parse(""),
                                 min_tokens=1024, backend=backend, label="host-overhead")
-    layer = pl.LinearLayer(state, "blocks.0.mlp.0", module, module.forward)
+    layer = linear_layer.LinearLayer(state, "blocks.0.mlp.0", module, module.forward)
     state.layers.append(layer)
     prepared = Prepared()
     paths = {"stub kernel alone": lambda: stub_run(x, prepared, module.bias, x.dtype),
@@ -201,21 +203,21 @@ def main():
     with torch.no_grad():
         module.weight.copy_(w)
         module.bias.copy_(b)
-    state = pl.LinearPatchState(settings_mod.AccelSettings("off", linear_mode="fp8"), pl.SkipPatterns.parse(""),
+    state = linear_state.LinearPatchState(settings_mod.AccelSettings("off", linear_mode="fp8"), linear_common.SkipPatterns.parse(""),
                                 min_tokens=1024, label="host-overhead")
-    layer = pl.LinearLayer(state, "blocks.0.mlp.0", module, module.forward)
-    fused = pl.LinearLayer(state, "blocks.0.mlp.1", module, module.forward)
+    layer = linear_layer.LinearLayer(state, "blocks.0.mlp.0", module, module.forward)
+    fused = linear_layer.LinearLayer(state, "blocks.0.mlp.1", module, module.forward)
     fused.activation = ("gelu_tanh", 0)
-    skipped = pl.LinearLayer(state, "blocks.0.mlp.0", module, module.forward)
+    skipped = linear_layer.LinearLayer(state, "blocks.0.mlp.0", module, module.forward)
     skipped.skip_reason = "name matches skip pattern (host_overhead)"
     small = x[:, :512]  # under min_tokens: ComfyUI's Linear serves it
     state.layers += [layer, fused, skipped]
     # A layer auto handed back for good (linear_choice.hand_back): its module's own forward in
     # our patch's place, as after auto measured ComfyUI's Linear faster.
     handed = torch.nn.Linear(128, 128, device=dev, dtype=torch.bfloat16)
-    auto_state = pl.LinearPatchState(settings_mod.AccelSettings("auto"), pl.SkipPatterns.parse(""),
+    auto_state = linear_state.LinearPatchState(settings_mod.AccelSettings("auto"), linear_common.SkipPatterns.parse(""),
                                      label="host-overhead auto")
-    handed_layer = pl.LinearLayer(auto_state, "blocks.0.proj", handed, handed.forward)
+    handed_layer = linear_layer.LinearLayer(auto_state, "blocks.0.proj", handed, handed.forward)
     auto_state.layers.append(handed_layer)
     handed.forward = handed_layer
     linear_choice.hand_back(handed_layer)
@@ -304,7 +306,7 @@ def main():
                 profiles[name] = f"{type(e).__name__}: {e}"
     import triton
 
-    call_stats = importlib.import_module(pack.__name__ + ".nodes.call_stats")
+    call_stats = importlib.import_module(pack.__name__ + ".runtime.call_stats")
     report = dict(call_stats=call_stats.snapshot(), env=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                            cpu=os.cpu_count()), rows=rows, profiles=profiles, direct_call_agreement=agreement)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,8 @@ family (or shapes a node run recorded), PyTorch against our kernels, PNG + JSON,
 Needs torch and Triton (and matplotlib for a bar chart, else Pillow draws a table; with
 neither only the JSON and the text are written); no ComfyUI. The baseline is PyTorch SDPA at
 its default backend (what ComfyUI's attention_pytorch runs on NVIDIA GPUs) and torch's Linear.
-Timing, accuracy and the chart are the node's own code (nodes/benchmark_core.py,
-nodes/benchmark_chart.py). Output goes to --out, else $OUT, else benchmarks/results/.
+Timing, accuracy and the chart are the node's own code (runtime/benchmark_core.py,
+runtime/benchmark_chart.py). Output goes to --out, else $OUT, else benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from _load import load_pack  # noqa: E402
 import torch  # noqa: E402
 
 pack = load_pack()
-core = importlib.import_module(pack.__name__ + ".nodes.benchmark_core")
-chart = importlib.import_module(pack.__name__ + ".nodes.benchmark_chart")
-bench_node = importlib.import_module(pack.__name__ + ".nodes.benchmark")
-settings_mod = importlib.import_module(pack.__name__ + ".nodes.settings")
+core = importlib.import_module(pack.__name__ + ".runtime.benchmark_core")
+chart = importlib.import_module(pack.__name__ + ".runtime.benchmark_chart")
+bench_node = importlib.import_module(pack.__name__ + ".nodes.benchmark_node")
+settings_mod = importlib.import_module(pack.__name__ + ".runtime.settings")
 
 A, L = core.AttentionShape, core.LinearShape
 

@@ -148,7 +148,7 @@ def chosen_paths(settings: AccelSettings, device: torch.device, weight_is_fp8: b
     paths = [] if decision.path == PATH_PYTORCH else list(decision.candidates)
     timed_extensions = []
     if settings.mode == "auto" and timed_on(device):
-        # auto times other packs' attention next to ours there (patch_attention._auto_extensions).
+        # auto times other packs' attention next to ours there (attention_patch.AttentionOverride._auto_extensions).
         timed_extensions = [p for p in extensions.paths_by_priority(kernels.describe(device)) if p not in paths]
         paths += timed_extensions
     if not paths:

@@ -199,7 +199,7 @@ def extensions_status(devices: list[torch.device], speed_rows: list[dict]) -> li
     """Other packs' attention and Linear implementations (kernels/core/extensions.py): what
     list_extensions() gives (with `kind`), plus per device whether it may run there and whether a
     node forces it there; attention: at how many of auto's measured shape classes it was timed
-    and kept; Linear: whether auto considers it there (patch_linear.extension_plan)."""
+    and kept; Linear: whether auto considers it there (linear_state.extension_plan)."""
     in_use = decisions_made()
     linear_in_use = linear_decisions_made()
     out = []
@@ -221,7 +221,7 @@ def extensions_status(devices: list[torch.device], speed_rows: list[dict]) -> li
                     if r.get("device") == where and entry["path"] in (r.get("timings_ms") or {})]
             forced = any(dev == where and d.path == entry["path"] for (dev, _mode), d in in_use.items())
             kept = sum(1 for r in rows if r.get("choice") == entry["path"])
-            # auto times (and so may choose an extension) on GPUs only: patch_attention.timed_on.
+            # auto times (and so may choose an extension) on GPUs only: attention_patch.timed_on.
             per_device.append({"device": where, "eligible": refusal is None, "refusal": refusal, "forced": forced,
                                "auto_times_here": device.type == "cuda", "measured_shape_classes": len(rows),
                                "kept_shape_classes": kept, "chosen": forced or kept > 0})

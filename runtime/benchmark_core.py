@@ -35,7 +35,7 @@ RESULT_VERSION = 1
 REFERENCE_ROWS = 256  # query / token rows compared with the float32 reference
 # Beyond these a path is reported but not counted as a speed-up: the same bars the auto
 # choice (speed_choice.agreement_bar: per attention path, rel. L2 and for quantized paths the
-# worst head's cosine) and the Linear quality guard (patch_linear.GUARD_MAX_REL_L2, per method)
+# worst head's cosine) and the Linear quality guard (linear_common.GUARD_MAX_REL_L2, per method)
 # use. The reference here is float32 attention; auto compares with ComfyUI's own output, which
 # is within bf16 rounding of it, so a path that passes here passes there.
 ATTENTION_MAX_REL_L2 = LOSSLESS_BAR.max_rel_l2  # PyTorch's own row: rounding only
@@ -328,7 +328,7 @@ def linear_label(method: str) -> str:
 
 
 def linear_bar(method: Optional[str]) -> float:
-    """The Linear guard's rel. L2 bar for one of ours or an extension (patch_linear)."""
+    """The Linear guard's rel. L2 bar for one of ours or an extension (linear_common)."""
     if extensions.is_extension_path(method):
         return EXT_GUARD_MAX_REL_L2[extensions.is_lossy(method)]
     return GUARD_MAX_REL_L2.get(method, min(GUARD_MAX_REL_L2.values()))

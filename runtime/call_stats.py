@@ -59,7 +59,7 @@ def new_model_label(model_class: str) -> str:
         return label
 
 
-# Set while auto times a call class (nodes/call_timing): the timed repeats are not calls the
+# Set while auto times a call class (call_timing): the timed repeats are not calls the
 # model made, and must not show in its counts.
 _MUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("triton_accel_stats_muted", default=False)
 

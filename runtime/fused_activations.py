@@ -100,7 +100,7 @@ def fusable_with_copy(diffusion_model: torch.nn.Module) -> list[tuple[str, str, 
     (kernels.linear.dispatch's activation_out): handed the strided slice of linear1's output instead of
     GELU's contiguous result, that cat runs its non-vectorised kernel, which cost more than the
     GELU pass saved (H200, Flux 12B, one step: 5.9 ms saved, 7.6 ms more in the cat;
-    benchmarks/RESULTS.md, session 20). Blocks whose MLP takes another slice (a gated
+    benchmarks/RESULTS.md). Blocks whose MLP takes another slice (a gated
     `yak_mlp`, SiLU variants) are left alone."""
     found = []
     for name, module in diffusion_model.named_modules():

@@ -15,7 +15,9 @@ from ..kernels.fused.layer_norm_modulate import refusal as layer_norm_modulate_r
 from ..kernels.fused.qk_norm import QKNormInputError, qk_rms_norm
 from ..kernels.fused.qk_norm_rope import QKNormRopeInputError, qk_rms_norm_rope
 from .linear_common import module_attr
-from .fused_block_patch import FLUX_MATH_MODULE, FLUX_MODULE, GuardedPatch, PATH_FLUX, PATH_QK, REASON_PATCHES, RowsSites, bind_names, block_guard_failure, fp8_rows_refusal, is_own_forward, norm_params, rows_scope
+from .fused_block_patch import (FLUX_MATH_MODULE, FLUX_MODULE, GuardedPatch, PATH_FLUX, PATH_QK, REASON_PATCHES,
+                                RowsSites, bind_names, block_guard_failure, fp8_rows_refusal, is_own_forward,
+                                norm_params, rows_scope)
 
 log = logging.getLogger("triton_accel.nodes.patch_fused_norms")  # not __name__: the clone's folder name
 

@@ -21,12 +21,12 @@ attention patches still serve those calls):
   the cross-attention's q, the FFN's first Linear) through quantize_once(x, rows): those skip
   their quantisation pass. A site whose Linear never reads them (not our FP8 Linear) stops
   getting them after FP8_ROWS_MISSES calls.
-Measured at Wan 2.1 14B on an H100 (benchmarks/RESULTS.md, sessions 30-32): the fused passes
+Measured at Wan 2.1 14B on an H100 (benchmarks/RESULTS.md): the fused passes
 take 0.24 (LayerNorm + modulation) and 0.29 (RMSNorm + RoPE) ms against ComfyUI's 0.76 and 0.81
 (benchmarks/fused_norms_bench.py); the Wan step without any of this is 1997 ms against 1892-1895
-with it (session 32, same call), and the e4m3 rows with the residual + norm2 pass took the
+with it (same call), and the e4m3 rows with the residual + norm2 pass took the
 activation quantisation from 50.4 to 30.6 ms a step and the residual add's 13.1 ms away.
-Flux's QKNorms are fused too (10-11 ms less GPU time a Flux 1024² step, session 32);
+Flux's QKNorms are fused too (10-11 ms less GPU time a Flux 1024² step);
 TRITON_ACCEL_FUSED_NORMS=blocks keeps them ComfyUI's (docs/settings.md).
 
 Flux's DoubleStreamBlock / SingleStreamBlock (comfy/ldm/flux/layers.py: Flux, HunyuanVideo),
@@ -40,7 +40,7 @@ with TRITON_ACCEL_FUSED_NORMS=all (the default; =qk keeps them ComfyUI's), per s
 The blocks return new tensors where ComfyUI's add into their inputs (their callers use the
 returned ones); the checked first call runs ours before ComfyUI's forward for that reason. No
 rows for a stream the Linear hands back for its token count (the 512-token text stream).
-Measured on an H100 (session 33): 96.8 ms of kernels a Flux step against 104.5, 456 fewer
+Measured on an H100: 96.8 ms of kernels a Flux step against 104.5, 456 fewer
 launches. Refused per call (ComfyUI's forward): per-token modulation (modulation_dims), attn1
 patches, flipped_img_txt blocks.
 
@@ -69,7 +69,8 @@ import torch
 from ..kernels.core import env_settings
 from .fused_block_patch import CALLBACK_KEY, Guard
 from .fused_wan import FusedWanBlock, fusable_block
-from .fused_flux import FusedFluxBlock, FusedFluxDoubleBlock, FusedFluxSingleBlock, FusedQKNorm, fusable_flux_block, fusable_qk_norm
+from .fused_flux import (FusedFluxBlock, FusedFluxDoubleBlock, FusedFluxSingleBlock, FusedQKNorm, fusable_flux_block,
+                         fusable_qk_norm)
 
 log = logging.getLogger("triton_accel.nodes.patch_fused_norms")  # not __name__: the clone's folder name
 
@@ -87,7 +88,7 @@ def patch_fused_norms(patched, label: str) -> int:
         return 0
     mode = env_settings.fused_norms()
     # Flux's QKNorms unless TRITON_ACCEL_FUSED_NORMS=blocks: 10-11 ms less GPU time in a Flux
-    # 1024² step (session 32's profiles on an H100: 105.0 / 106.6 against 116.2 / 116.5 ms).
+    # 1024² step (profiles on an H100: 105.0 / 106.6 against 116.2 / 116.5 ms).
     count = _patch_qk_norms(patched, diffusion_model, label) if mode in ("all", "qk") else 0
     if mode == "all":
         count += _patch_blocks(patched, diffusion_model, "double_blocks", FusedFluxDoubleBlock, fusable_flux_block,

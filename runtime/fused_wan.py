@@ -14,7 +14,8 @@ from ..kernels.fused.layer_norm_modulate import refusal as layer_norm_modulate_r
 from ..kernels.linear.fp8 import quantize_once
 from ..kernels.fused.norm_rope import freqs_table, rms_norm_rope
 from ..kernels.fused.norm_rope import refusal as norm_rope_refusal
-from .fused_block_patch import INPUT_ERRORS, PATH, REASON_PATCHES, RowsSites, bind_names, block_guard_failure, fp8_rows_refusal, is_own_forward, norm_params, rows_scope
+from .fused_block_patch import (INPUT_ERRORS, PATH, REASON_PATCHES, RowsSites, bind_names, block_guard_failure,
+                                fp8_rows_refusal, is_own_forward, norm_params, rows_scope)
 
 log = logging.getLogger("triton_accel.nodes.patch_fused_norms")  # not __name__: the clone's folder name
 

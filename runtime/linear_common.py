@@ -23,7 +23,7 @@ CALLBACK_KEY = "triton_accel_linear"
 # GEMM is bound by reading the weight, which FP8 halves but the separate activation-
 # quantisation launch and the persistent kernel's 128-row tiles give back: on the H200 a
 # 512-row text stream (Flux 512x3072->9216) ran at 0.49x cuBLAS, 4096 rows at 1.09-1.61x
-# (benchmark node, benchmarks/RESULTS.md session 17). These calls are modulation and
+# (benchmark node, benchmarks/RESULTS.md). These calls are modulation and
 # embedding layers (one row per image) and the text streams of Flux / Wan cross-attention.
 MIN_TOKENS = 1024
 MAX_STEP_SIGNATURES = 8  # recent step signatures whose classes stay decided (begin_step)
@@ -35,7 +35,7 @@ MAX_STEP_SIGNATURES = 8  # recent step signatures whose classes stay decided (be
 # upcast only by FP16/BF16 rounding (~0.003), so 0.04 still catches a broken kernel.
 GUARD_MAX_REL_L2 = {LINEAR_FP8_W8A8: 0.05, LINEAR_INT8_W8A8: 0.06, LINEAR_FP8_WEIGHT_ONLY: 0.04}
 # Other packs' Linear (kernels/core/extensions.py) by the same guard: a lossless one by the pack's
-# lossless bar (speed_choice.LOSSLESS_BAR, attention's too: rounding only), a lossy one by our
+# lossless bar (guards.LOSSLESS_BAR, attention's too: rounding only), a lossy one by our
 # FP8 W8A8 method's (the quantised attention bar's rel. L2 as well).
 EXT_GUARD_MAX_REL_L2 = {False: LOSSLESS_BAR.max_rel_l2, True: GUARD_MAX_REL_L2[LINEAR_FP8_W8A8]}
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -32,7 +32,7 @@ How, and why this way:
   then torch.cat) get it too (patch_linear_model(copy_activations=True), the default), where
   the kernel also writes those columns to a contiguous copy (fusable_with_copy(): the cat keeps
   its vectorised kernel); on the H200 that took a Flux step from 119.6 to 115.4 ms in one
-  alternating run (benchmarks/RESULTS.md, session 25).
+  alternating run (benchmarks/RESULTS.md).
   Our kernel marks the output it activated (ActivationMark on its storage, which its views share,
   under torch.inference_mode too, with the copy); the GELU module's forward becomes an object patch
   (FusedActivation) that passes a marked tensor through (the copy, when it asks for exactly
@@ -106,7 +106,7 @@ def patch_linear_layers(model, settings: AccelSettings | None = None, skip: str 
     `fuse_activations`: GELUs fed by a served Linear run in its GEMM epilogue (FusedActivation);
     `copy_activations`: Flux's single blocks too, with the contiguous copy (fusable_with_copy()).
     On by default: 4.2 ms off a 119.6 ms Flux step on the H200, measured in one ABBA run
-    (benchmarks/RESULTS.md, session 25); peak memory +0.2 GiB.
+    (benchmarks/RESULTS.md); peak memory +0.2 GiB.
     Raises ValueError for a skip pattern that does not parse or an unknown dynamic_vram."""
     settings = settings or AccelSettings("auto")
     patterns = SkipPatterns.parse(skip)

@@ -28,7 +28,7 @@ log = logging.getLogger("triton_accel")
 
 STEP_MARGIN = 0.01
 PHASES = ("ours", "comfyui", "ours", "comfyui")
-OVERRIDE_KEY = "optimized_attention_override"  # patch_attention's transformer_options key
+OVERRIDE_KEY = "optimized_attention_override"  # attention_patch's transformer_options key
 
 
 def _override(kwargs: dict):

@@ -23,7 +23,7 @@ Safety, since a replay runs none of the Python that made the recording:
   difference beyond VERIFY_REL_L2, a non-finite value, or any error while recording (a
   host synchronisation inside the forward, out of memory) leaves the model eager.
 - The graphs (and their memory pool) are dropped when sampling ends.
-Measured (H100, session 34): Flux 12B 1024² recorded, replayed bit for bit, 0.7-1.2 ms of host
+Measured (H100): Flux 12B 1024² recorded, replayed bit for bit, 0.7-1.2 ms of host
 time a step instead of 48-51 (up to 182 on slower hosts). Wan 2.1 is refused at its first
 recording: ComfyUI's Wan forward copies a CPU tensor to the GPU on every call.
 """

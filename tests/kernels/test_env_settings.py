@@ -14,6 +14,7 @@ from triton_accel.kernels.core import env_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = [*sorted((ROOT / "kernels").rglob("*.py")), *sorted((ROOT / "nodes").rglob("*.py")),
+           *sorted((ROOT / "runtime").rglob("*.py")),
            *sorted((ROOT / "installer").rglob("*.py")), ROOT / "__init__.py", ROOT / "install.py"]
 SETTINGS_MODULE = ROOT / "kernels" / "core" / "env_settings.py"
 

@@ -116,7 +116,7 @@ def test_comfy_node_validate_and_pack(tmp_path):
             assert needed in names
     # .comfyignore keeps the development files out of the registry archive.
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", ".ci/"))]
-    assert any(n.startswith("kernels/") for n in names) and any(n.startswith("nodes/") for n in names)
+    assert all(any(n.startswith(package) for n in names) for package in ("kernels/", "nodes/", "runtime/"))
 
 
 LINES = [l.strip() for l in (ROOT / "requirements.txt").read_text().splitlines()]

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from triton_accel.nodes import benchmark as node
-from triton_accel.nodes import benchmark_chart as chart
-from triton_accel.nodes import benchmark_core as core
-from triton_accel.nodes.patch_attention import OVERRIDE_KEY
-from triton_accel.nodes.settings import AccelSettings
+from triton_accel.nodes import benchmark_node as node
+from triton_accel.runtime import benchmark_chart as chart
+from triton_accel.runtime import benchmark_core as core
+from triton_accel.runtime.attention_patch import OVERRIDE_KEY
+from triton_accel.runtime.settings import AccelSettings
 
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 DTYPES = list(TOL)
@@ -85,7 +85,7 @@ BAR_CASES = {
 
 @pytest.mark.parametrize("case", list(BAR_CASES))
 def test_attention_paths_are_judged_by_autos_bar(case):
-    from triton_accel.nodes.speed_choice import agreement_bar
+    from triton_accel.runtime.guards import agreement_bar
 
     path, noise, broken_head, expected = BAR_CASES[case]
     g = torch.Generator().manual_seed(0)
@@ -407,7 +407,7 @@ def test_run_benchmark_reports_progress_and_interpreter_note():
 
 # ---- the command line (benchmarks/model_benchmark.py, in a subprocess: it loads its own copy) ------
 
-CLI = core.__file__.replace("nodes/benchmark_core.py", "benchmarks/model_benchmark.py")
+CLI = core.__file__.replace("runtime/benchmark_core.py", "benchmarks/model_benchmark.py")
 
 
 def _cli(*args, interpreter=False):

@@ -21,10 +21,13 @@ import torch.nn.functional as F
 
 from triton_accel import kernels
 from triton_accel.kernels.core import extensions
-from triton_accel.nodes import call_stats, extension_hooks, patch_attention, settings, speed_choice, status
-from triton_accel.nodes.patch_attention import AttentionOverride
-from triton_accel.nodes.settings import AccelSettings, TritonAccelSettings
-from triton_accel.nodes.speed_choice import ORIGINAL, SpeedChoice
+from triton_accel.runtime import attention_patch, guards
+from triton_accel.runtime import call_stats, extension_hooks, attention_patch as patch_attention, settings, speed_choice
+from triton_accel.nodes import status
+from triton_accel.runtime.attention_patch import AttentionOverride
+from triton_accel.runtime.settings import AccelSettings
+from triton_accel.nodes.settings_node import TritonAccelSettings
+from triton_accel.runtime.speed_choice import ORIGINAL, SpeedChoice
 
 CPU = {"device_types": ["cpu"]}
 
@@ -243,9 +246,9 @@ def test_lossy_extensions_skip_full_precision_calls(monkeypatch, tmp_path):
 def test_agreement_bar_follows_the_lossy_flag():
     lossless = extensions.register_attention("lossless", sdpa, constraints=CPU)
     lossy = extensions.register_attention("quantized", sdpa, constraints=CPU, lossy=True)
-    assert speed_choice.agreement_bar(lossless) is speed_choice.LOSSLESS_BAR
-    assert speed_choice.agreement_bar(lossy) is speed_choice.QUANTIZED_BAR
-    assert speed_choice.agreement_bar("ext:unknown") is speed_choice.LOSSLESS_BAR
+    assert guards.agreement_bar(lossless) is guards.LOSSLESS_BAR
+    assert guards.agreement_bar(lossy) is guards.QUANTIZED_BAR
+    assert guards.agreement_bar("ext:unknown") is guards.LOSSLESS_BAR
 
 
 # ---- status ---------------------------------------------------------------------------------
@@ -317,14 +320,14 @@ def test_publish_takes_the_public_name_only_when_free(monkeypatch):
 def test_auto_inside_a_cuda_graph_capture_uses_what_it_measured_before_or_comfyuis(monkeypatch, tmp_path):
     """No timing inside a CUDA graph capture (TorchCompileModel's cudagraphs backend): a shape
     class measured before runs its choice, one not measured yet goes to ComfyUI's attention."""
-    from triton_accel.nodes import compiled_ops
+    from triton_accel.runtime import compiled_ops
 
     path = extensions.register_attention("captured", _off_by(0.0), constraints=CPU)
     override, chooser = _auto(monkeypatch, tmp_path, {ORIGINAL: 2.0, path: 1.0})
     monkeypatch.setattr(compiled_ops, "capturing", lambda t: True)
     out, ref = _call(override)
     assert torch.equal(out, ref) and chooser.snapshot() == {}
-    assert _reasons() == {patch_attention.AUTO_CAPTURING: 1}
+    assert _reasons() == {attention_patch.AUTO_CAPTURING: 1}
     monkeypatch.setattr(compiled_ops, "capturing", lambda t: False)
     _call(override, seed=1)  # measured outside a capture: the extension kept
     call_stats.reset()

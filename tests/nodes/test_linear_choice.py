@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from triton_accel.kernels.core.gpu_rules import LINEAR_FP8_W8A8, Decision
-from triton_accel.nodes import call_stats, call_timing, linear_choice
-from triton_accel.nodes import patch_linear as pl
-from triton_accel.nodes.settings import AccelSettings
+from triton_accel.runtime import call_stats, call_timing, linear_choice
+from triton_accel.runtime import fused_activations, linear_common, linear_patch
+from triton_accel.runtime.settings import AccelSettings
 
 
 def _fakes():
@@ -45,7 +45,7 @@ def _ref_run(x, prepared, bias, out_dtype, activation=None, activation_from=0, a
     return out
 
 
-FUSING_BACKEND = pl.LinearBackend(_f.kernels.prepare_weight, _ref_run, _f.kernels.linear_refusal,
+FUSING_BACKEND = linear_common.LinearBackend(_f.kernels.prepare_weight, _ref_run, _f.kernels.linear_refusal,
                                   _f.kernels.LinearInputError, None, (LINEAR_FP8_W8A8,))
 
 
@@ -85,7 +85,7 @@ def _patched(ours_ms, theirs_ms, tmp_path, min_tokens=4, model=None):
     speed = call_timing.LinearSpeedChoice(tmp_path / f"linear-{uuid.uuid4().hex[:6]}.json", timer=timer,
                                           supports=lambda device: True)
     base = _f.FakePatcher(model if model is not None else _f.BaseModel())
-    patched = pl.patch_linear_model(base, GpuRuleSettings(), skip="", min_tokens=min_tokens,
+    patched = linear_patch.patch_linear_model(base, GpuRuleSettings(), skip="", min_tokens=min_tokens,
                                     backend=_f.REF_BACKEND, label=f"Choice #{uuid.uuid4().hex[:6]}")
     state = patched.triton_accel_linear
     state.speed = speed
@@ -244,7 +244,7 @@ def test_fused_gelu_goes_back_with_its_layer(tmp_path, pack_frames):
     model = _f.FusableModel()
     timer = SetTimer(1.0, 0.5)
     speed = call_timing.LinearSpeedChoice(tmp_path / "linear.json", timer=timer, supports=lambda device: True)
-    patched = pl.patch_linear_model(_f.FakePatcher(model), GpuRuleSettings(), skip="", min_tokens=4,
+    patched = linear_patch.patch_linear_model(_f.FakePatcher(model), GpuRuleSettings(), skip="", min_tokens=4,
                                     backend=FUSING_BACKEND)
     state = patched.triton_accel_linear
     state.speed = speed
@@ -256,7 +256,7 @@ def test_fused_gelu_goes_back_with_its_layer(tmp_path, pack_frames):
     layer = next(layer for layer in state.layers if layer.name == "double_mlp.0")
     gelu = model.diffusion_model.double_mlp[1]
     assert layer.uninstalled and layer.activation_patch is not None and len(layer.companions) == 2
-    assert "forward" not in gelu.__dict__ or not isinstance(gelu.__dict__["forward"], pl.FusedActivation)
+    assert "forward" not in gelu.__dict__ or not isinstance(gelu.__dict__["forward"], fused_activations.FusedActivation)
     with torch.no_grad():
         frames = pack_frames(lambda: model.diffusion_model(x))
     assert frames == [], frames
@@ -265,7 +265,7 @@ def test_fused_gelu_goes_back_with_its_layer(tmp_path, pack_frames):
 def test_forced_modes_and_unsupported_devices_time_nothing(tmp_path):
     timer = SetTimer(1.0, 0.5)
     speed = call_timing.LinearSpeedChoice(tmp_path / "linear.json", timer=timer, supports=lambda device: False)
-    patched = pl.patch_linear_model(_f.FakePatcher(_f.BaseModel()), GpuRuleSettings(), skip="", min_tokens=4,
+    patched = linear_patch.patch_linear_model(_f.FakePatcher(_f.BaseModel()), GpuRuleSettings(), skip="", min_tokens=4,
                                     backend=_f.REF_BACKEND)
     patched.triton_accel_linear.speed = speed
     patched.patch_model()

@@ -24,11 +24,14 @@ import torch.nn.functional as F
 from triton_accel import kernels
 from triton_accel.kernels.core import extensions
 from triton_accel.kernels.core.gpu_rules import LINEAR_FP8_W8A8, LINEAR_MODES, Decision
-from triton_accel.nodes import benchmark as benchmark_node
-from triton_accel.nodes import benchmark_core as core
-from triton_accel.nodes import call_stats, routes, status
-from triton_accel.nodes import patch_linear as pl
-from triton_accel.nodes.settings import AccelSettings, TritonAccelSettings
+from triton_accel.nodes import benchmark_node
+from triton_accel.runtime import benchmark_core as core
+from triton_accel.runtime import call_stats
+from triton_accel.nodes import routes, status
+from triton_accel.nodes import patch_nodes
+from triton_accel.runtime import linear_common, linear_layer, linear_state
+from triton_accel.runtime.settings import AccelSettings
+from triton_accel.nodes.settings_node import TritonAccelSettings
 
 def _fakes():
     """test_patch_linear's fakes (tests run with --import-mode=importlib: no sibling imports)."""
@@ -82,7 +85,7 @@ def _linear_stats() -> dict:
 
 def _layer(settings, min_tokens=4, module=None, backend=REF_BACKEND, dtype=torch.float32):
     label = f"Ext #{uuid.uuid4().hex[:8]}"
-    state = pl.LinearPatchState(settings, pl.SkipPatterns.parse(""), min_tokens, backend, label=label)
+    state = linear_state.LinearPatchState(settings, linear_common.SkipPatterns.parse(""), min_tokens, backend, label=label)
     torch.manual_seed(1)
     module = (module if module is not None else ComfyLinear(32, 48)).to(dtype)
     calls = []
@@ -91,7 +94,7 @@ def _layer(settings, min_tokens=4, module=None, backend=REF_BACKEND, dtype=torch
         calls.append(1)
         return module.__class__.forward(module, *args, **kwargs)
 
-    layer = pl.LinearLayer(state, "blocks.0.qkv", module, previous)
+    layer = linear_layer.LinearLayer(state, "blocks.0.qkv", module, previous)
     state.layers.append(layer)
     return layer, calls
 
@@ -126,7 +129,7 @@ def test_forced_extension_on_the_whole_model_matches_unpatched_and_skips_by_name
     base = FakePatcher(BaseModel())
     x, t = _inputs()
     ref = base.model.diffusion_model(x, t)
-    result = pl.TritonAccelPatchLinear().patch(base, "auto", 1024, _forced(path))
+    result = patch_nodes.TritonAccelPatchLinear().patch(base, "auto", 1024, _forced(path))
     patched = result["result"][0]
     patched.patch_model()
     try:
@@ -146,7 +149,7 @@ def test_combined_node_runs_the_forced_linear_extension():
     base = FakePatcher(BaseModel())
     x, t = _inputs()
     ref = base.model.diffusion_model(x, t)
-    patched = pl.TritonAccelPatch().patch(base, "auto", 1, AccelSettings("off", linear_mode=path))["result"][0]
+    patched = patch_nodes.TritonAccelPatch().patch(base, "auto", 1, AccelSettings("off", linear_mode=path))["result"][0]
     patched.patch_model()
     try:
         out = patched.model.diffusion_model(x, t)
@@ -238,13 +241,13 @@ def test_the_guard_keeps_an_extension_per_layer_by_its_bar(case):
     if kept:
         assert stats["paths"] == {path: 2} and len(calls) == 1, stats
         assert ((second - ref).norm() / ref.norm()).item() == pytest.approx(rel, abs=1e-5)
-        assert pl.fallback_report() == [] or all(r["model"] != layer.state.label for r in pl.fallback_report())
+        assert linear_state.fallback_report() == [] or all(r["model"] != layer.state.label for r in linear_state.fallback_report())
     else:
         torch.testing.assert_close(first, ref, atol=0, rtol=0)
         torch.testing.assert_close(second, ref, atol=0, rtol=0)
         assert fn.calls == 1, "a layer whose guard failed is not offered to the extension again"
-        assert stats["served"] == 0 and set(stats["reasons"]) == {pl.REASON_EXT_GUARD.format(path=path)}, stats
-        rows = [r for r in pl.fallback_report() if r["model"] == layer.state.label]
+        assert stats["served"] == 0 and set(stats["reasons"]) == {linear_common.REASON_EXT_GUARD.format(path=path)}, stats
+        rows = [r for r in linear_state.fallback_report() if r["model"] == layer.state.label]
         assert len(rows) == 1 and rows[0]["reason"].startswith(f"quality guard ({path}): rel. L2"), rows
         # Registered again (a fixed version): the layer is offered to it afresh.
         extensions.register_linear("guarded", f_linear, constraints=CPU)
@@ -264,7 +267,7 @@ class SpyBackend:
             self.runs += 1
             return REF_BACKEND.run(*args)
 
-        self.backend = pl.LinearBackend(REF_BACKEND.prepare, run, REF_BACKEND.refusal, REF_BACKEND.input_error)
+        self.backend = linear_common.LinearBackend(REF_BACKEND.prepare, run, REF_BACKEND.refusal, REF_BACKEND.input_error)
 
 
 AUTO_CASES = {
@@ -291,7 +294,7 @@ def test_auto_walks_extensions_and_ours_by_priority(case):
         assert fn.calls == 1 and spy.runs == 0 and stats["paths"] == {path: 1}, stats
     else:
         assert fn.calls == 0 and spy.runs >= 1 and stats["paths"] == {LINEAR_FP8_W8A8: 1}, stats
-    plan = pl.extension_plan(layer.state.settings, torch.device("cpu"))
+    plan = linear_state.extension_plan(layer.state.settings, torch.device("cpu"))
     assert plan == (((path,), True, ()) if priority > 100 else ((), True, (path,)))
 
 
@@ -315,14 +318,14 @@ def test_auto_on_the_cpu_and_forced_methods_never_offer_extensions():
     for settings in (AccelSettings("auto"), AccelSettings("off", linear_mode="off")):
         layer, _ = _layer(settings)
         layer(torch.randn(2, 8, 32))
-        assert pl.extension_plan(settings, torch.device("cpu")) is None
+        assert linear_state.extension_plan(settings, torch.device("cpu")) is None
     assert fn.calls == 0 and _linear_stats()["served"] == 0
 
 
 def test_auto_text_names_the_order():
     extensions.register_linear("first", f_linear, constraints=CPU, priority=300)
     extensions.register_linear("last", f_linear, constraints=CPU, priority=-3)
-    text = pl.extension_plan_text(GpuRuleSettings("off", linear_mode="auto"), torch.device("cpu"))
+    text = linear_state.extension_plan_text(GpuRuleSettings("off", linear_mode="auto"), torch.device("cpu"))
     assert text.endswith("ext:first > ours > ext:last"), text
 
 
@@ -428,7 +431,7 @@ def test_benchmark_times_linear_and_attention_extensions():
     assert ours_attn["error"] is None and ours_attn["label"] == f"{attn} (Bench attention)", ours_attn
     assert ours_lin["error"] is None and ours_lin["label"] == f"{lin} (Bench Linear)", ours_lin
     assert ours_attn["within_bar"] and ours_lin["within_bar"] and ours_lin["rel_l2"] < 1e-6
-    assert lin_row["max_rel_l2"] == pl.EXT_GUARD_MAX_REL_L2[False]
+    assert lin_row["max_rel_l2"] == linear_common.EXT_GUARD_MAX_REL_L2[False]
     assert ours_lin["ms"] is not None and ours_attn["ms"] is not None
 
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from triton_accel import kernels
-from triton_accel.nodes import call_stats
-from triton_accel.nodes.patch_attention import AttentionOverride, adapt_call, Unsupported, patch_model
-from triton_accel.nodes.settings import AccelSettings
+from triton_accel.runtime import call_stats
+from triton_accel.runtime.attention_patch import AttentionOverride, adapt_call, Unsupported, patch_model
+from triton_accel.runtime.settings import AccelSettings
 
 ATOL = 1e-4
 
@@ -224,7 +224,7 @@ def test_forced_fp8_runs_the_fp8_kernel_and_fp32_calls_take_fp16():
 
 
 def test_settings_node_reports_on_the_node_and_survives_a_bad_device():
-    from triton_accel.nodes.settings import TritonAccelSettings
+    from triton_accel.nodes.settings_node import TritonAccelSettings
 
     node = TritonAccelSettings()
     result = node.configure("fp16", "cpu")
@@ -309,7 +309,7 @@ def test_torch_compile_traces_calls_the_op_cannot_restate_as_they_are():
 
 
 def test_compiled_op_names_a_freed_override_with_a_reason():
-    from triton_accel.nodes import compiled_ops
+    from triton_accel.runtime import compiled_ops
 
     override = AttentionOverride(FORCED)
     token = override.token
@@ -328,7 +328,7 @@ def test_a_second_patched_model_retraces_under_comfyuis_guard_filter():
     freed, "whose patch no longer exists"). With it, each model's calls run its own override."""
     import gc
 
-    from triton_accel.nodes import compiled_ops
+    from triton_accel.runtime import compiled_ops
 
     def skip_transformer_options(entries):  # comfy_extras/nodes_torch_compile.py's filter
         return [("transformer_options" not in e.name) for e in entries]
@@ -355,8 +355,8 @@ def test_a_second_patched_model_retraces_under_comfyuis_guard_filter():
 
 
 def test_patch_model_puts_the_active_model_wrapper_on_the_clone():
-    from triton_accel.nodes import compiled_ops
-    from triton_accel.nodes.patch_attention import OVERRIDE_KEY, patch_model
+    from triton_accel.runtime import compiled_ops
+    from triton_accel.runtime.attention_patch import OVERRIDE_KEY, patch_model
 
     class Patcher:
         def __init__(self):

@@ -14,9 +14,9 @@ import types
 import pytest
 import torch
 
-from triton_accel.nodes import call_stats
+from triton_accel.runtime import call_stats
 from triton_accel.kernels.core import env_settings
-from triton_accel.nodes import patch_fused_norms as pfn
+from triton_accel.runtime import fused_block_patch, fused_flux, fused_norms, fused_wan, linear_layer
 
 C, HEADS, HEAD_DIM, TOKENS = 64, 2, 32, 6
 
@@ -97,7 +97,7 @@ class WanAttentionBlock(torch.nn.Module):
 
 
 for _cls in (WanSelfAttention, WanAttentionBlock):
-    _cls.__module__ = pfn.WAN_MODULE
+    _cls.__module__ = fused_block_patch.WAN_MODULE
 
 
 class VaceBlock(WanAttentionBlock):  # a subclass with its own forward (VACE): never patched
@@ -105,7 +105,7 @@ class VaceBlock(WanAttentionBlock):  # a subclass with its own forward (VACE): n
         return super().forward(*args, **kwargs)
 
 
-VaceBlock.__module__ = pfn.WAN_MODULE
+VaceBlock.__module__ = fused_block_patch.WAN_MODULE
 
 
 class Diffusion(torch.nn.Module):
@@ -162,7 +162,7 @@ def _patched(blocks=None):
     torch.manual_seed(1)
     blocks = blocks if blocks is not None else [WanAttentionBlock(), WanAttentionBlock()]
     patcher = FakePatcher(Diffusion(blocks))
-    assert pfn.patch_fused_norms(patcher, "Wan #test") == sum(pfn.fusable_block(b) is None for b in blocks)
+    assert fused_norms.patch_fused_norms(patcher, "Wan #test") == sum(fused_wan.fusable_block(b) is None for b in blocks)
     return patcher, blocks
 
 
@@ -192,8 +192,8 @@ def test_gated_residual_and_norm3_fused_where_known(monkeypatch, norm3):
     norm runs as it is on the fused residual. The block's last residual is always ours."""
     calls = []
     for name in ("gated_residual", "gated_residual_layer_norm", "gated_residual_layer_norm_rows"):
-        real, label = getattr(pfn, name), name.removesuffix("_rows")  # with or without e4m3 rows
-        monkeypatch.setattr(pfn, name, (lambda real, label: lambda *a, **k: calls.append(label) or real(*a, **k))(real, label))
+        real, label = getattr(fused_wan, name), name.removesuffix("_rows")  # with or without e4m3 rows
+        monkeypatch.setattr(fused_wan, name, (lambda real, label: lambda *a, **k: calls.append(label) or real(*a, **k))(real, label))
     torch.manual_seed(1)
     block = WanAttentionBlock()
     if norm3 == "layer_norm_plain":
@@ -216,7 +216,7 @@ def test_gated_residual_and_norm3_fused_where_known(monkeypatch, norm3):
 
 
 def _recording_scopes(monkeypatch, used: int):
-    """pfn.quantize_once replaced by a recorder: [(x, rows)] per block entered, the modules
+    """fused_block_patch.quantize_once replaced by a recorder: [(x, rows)] per block entered, the modules
     called inside one; `used` is what each block reports as GEMMs that read its rows."""
     import contextlib
 
@@ -231,7 +231,8 @@ def _recording_scopes(monkeypatch, used: int):
         finally:
             inside.pop()
 
-    monkeypatch.setattr(pfn, "quantize_once", recording)
+    monkeypatch.setattr(fused_block_patch, "quantize_once", recording)  # the norm passes' rows
+    monkeypatch.setattr(fused_wan, "quantize_once", recording)  # Wan's q/k/v Linears
     return scopes, inside
 
 
@@ -280,14 +281,14 @@ def test_rows_stop_where_no_gemm_reads_them(monkeypatch):
     patcher, _ = _patched([WanAttentionBlock()])
     patch = patcher.object_patches["diffusion_model.blocks.0.forward"]
     call = block_call(1, 3)
-    for _ in range(pfn.FP8_ROWS_MISSES):
+    for _ in range(fused_block_patch.FP8_ROWS_MISSES):
         scopes.clear()
         patch(**call)
         assert len(scopes) == 3 and all(rows is not None for _, rows in scopes)
     scopes.clear()
     patch(**call)
     assert len(scopes) == 1 and scopes[0][1] is None
-    assert patch.fp8_rows_misses == {site: pfn.FP8_ROWS_MISSES for site in ("qkv", "cross_q", "ffn")}
+    assert patch.fp8_rows_misses == {site: fused_block_patch.FP8_ROWS_MISSES for site in ("qkv", "cross_q", "ffn")}
 
 
 def test_guard_sends_a_block_that_disagrees_back_for_good():
@@ -300,7 +301,7 @@ def test_guard_sends_a_block_that_disagrees_back_for_good():
     assert torch.equal(first, original(**call) * 1.05)
     assert "cpu" in patch.fallbacks and "rel. L2" in patch.fallbacks["cpu"]
     patch(**call)
-    assert _norms()["served"] == 0 and _norms()["reasons"] == {pfn.REASON_FALLBACK: 2}, _norms()
+    assert _norms()["served"] == 0 and _norms()["reasons"] == {fused_block_patch.REASON_FALLBACK: 2}, _norms()
 
 
 @pytest.mark.parametrize("agrees", [True, False])
@@ -326,7 +327,7 @@ def test_one_check_per_model_and_device_covers_every_block(agrees):
         assert _norms()["served"] == 2, _norms()
     else:
         assert ran == [1] and "rel. L2" in other.fallbacks["cpu"]  # ComfyUI's forward, no check
-        assert _norms()["served"] == 0 and _norms()["reasons"] == {pfn.REASON_FALLBACK: 2}, _norms()
+        assert _norms()["served"] == 0 and _norms()["reasons"] == {fused_block_patch.REASON_FALLBACK: 2}, _norms()
 
 
 @pytest.mark.parametrize("case,reason", [
@@ -371,9 +372,9 @@ def test_only_blocks_it_knows_are_patched():
     identity_qk = WanAttentionBlock()
     identity_qk.self_attn.norm_q = torch.nn.Identity()
     blocks = [WanAttentionBlock(), VaceBlock(), affine, identity_qk]
-    assert "not ComfyUI's WanAttentionBlock" in pfn.fusable_block(blocks[1])
-    assert "norm1" in pfn.fusable_block(affine)
-    assert "norm_q" in pfn.fusable_block(identity_qk)
+    assert "not ComfyUI's WanAttentionBlock" in fused_wan.fusable_block(blocks[1])
+    assert "norm1" in fused_wan.fusable_block(affine)
+    assert "norm_q" in fused_wan.fusable_block(identity_qk)
     patcher, _ = _patched(blocks)
     assert list(patcher.object_patches) == ["diffusion_model.blocks.0.forward"]
 
@@ -381,22 +382,22 @@ def test_only_blocks_it_knows_are_patched():
 def test_patching_again_or_over_another_nodes_patch_changes_nothing():
     patcher, blocks = _patched()
     before = dict(patcher.object_patches)
-    assert pfn.patch_fused_norms(patcher, "again") == 0
+    assert fused_norms.patch_fused_norms(patcher, "again") == 0
     assert patcher.object_patches == before
     other = FakePatcher(Diffusion([WanAttentionBlock()]))
     foreign = lambda *a, **k: None  # noqa: E731 - another node's block patch
     other.add_object_patch("diffusion_model.blocks.0.forward", foreign)
-    assert pfn.patch_fused_norms(other, "other") == 0
+    assert fused_norms.patch_fused_norms(other, "other") == 0
     assert other.object_patches["diffusion_model.blocks.0.forward"] is foreign
 
 
 def test_multigpu_clone_gets_its_own_blocks():
     patcher, blocks = _patched()
-    assert pfn.CALLBACK_KEY in patcher.callbacks["on_deepclone_multigpu"]
+    assert fused_block_patch.CALLBACK_KEY in patcher.callbacks["on_deepclone_multigpu"]
     clone_blocks = [WanAttentionBlock(), WanAttentionBlock()]
     clone = FakePatcher(Diffusion(clone_blocks))
     clone.object_patches = dict(patcher.object_patches)
-    pfn.on_multigpu_clone(patcher, clone)
+    fused_norms.on_multigpu_clone(patcher, clone)
     patch = clone.object_patches["diffusion_model.blocks.1.forward"]
     assert patch.module is clone_blocks[1] and patch.previous.__self__ is clone_blocks[1]
     assert patch.guarded == set() and patch.label == "Wan #test"
@@ -415,9 +416,9 @@ def test_enabled_reads_the_setting(monkeypatch, value, mode):
     else:
         monkeypatch.setenv("TRITON_ACCEL_FUSED_NORMS", value)
     assert env_settings.fused_norms() == mode
-    assert pfn.enabled() == (mode != "off")
+    assert fused_norms.enabled() == (mode != "off")
     patcher = FakePatcher(FluxLike("torch"))
-    assert pfn.patch_fused_norms(patcher, "Flux #test") == (2 if mode in ("all", "qk") else 0)
+    assert fused_norms.patch_fused_norms(patcher, "Flux #test") == (2 if mode in ("all", "qk") else 0)
 
 
 # ---- Flux's QKNorm ------------------------------------------------------------------------------
@@ -446,7 +447,7 @@ class QKNorm(torch.nn.Module):
 
 
 for _cls in (FluxRMSNorm, QKNorm):
-    _cls.__module__ = pfn.FLUX_MODULE
+    _cls.__module__ = fused_block_patch.FLUX_MODULE
 FluxRMSNorm.__name__ = FluxRMSNorm.__qualname__ = "RMSNorm"
 FluxRMSNorm.forward.__qualname__ = "RMSNorm.forward"
 
@@ -477,7 +478,7 @@ def qkv(batch=1, tokens=TOKENS, dtype=torch.float32):
 def test_qk_norms_are_patched_served_and_match(flavour, dtype, qk_norms_on):
     model = FluxLike(flavour).to(dtype)
     patcher = FakePatcher(model)
-    assert pfn.patch_fused_norms(patcher, "Flux #test") == 2
+    assert fused_norms.patch_fused_norms(patcher, "Flux #test") == 2
     assert set(patcher.object_patches) == {"diffusion_model.double_blocks.0.img_attn.norm.forward",
                                            "diffusion_model.single_blocks.0.norm.forward"}
     patch = patcher.object_patches["diffusion_model.single_blocks.0.norm.forward"]
@@ -489,12 +490,12 @@ def test_qk_norms_are_patched_served_and_match(flavour, dtype, qk_norms_on):
     for a, b in zip(second, ref):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
-    assert _norms()["paths"] == {pfn.PATH_QK: 2} and _norms()["handed_back"] == 0, _norms()
+    assert _norms()["paths"] == {fused_block_patch.PATH_QK: 2} and _norms()["handed_back"] == 0, _norms()
 
 
 def test_qk_norm_guard_and_hand_backs(qk_norms_on):
     patcher = FakePatcher(FluxLike("torch"))
-    pfn.patch_fused_norms(patcher, "Flux #test")
+    fused_norms.patch_fused_norms(patcher, "Flux #test")
     patch = patcher.object_patches["diffusion_model.double_blocks.0.img_attn.norm.forward"]
     q, k, v = qkv()
     with pytest.raises(TypeError):  # ComfyUI's forward gets the odd call, and rejects it too
@@ -505,19 +506,19 @@ def test_qk_norm_guard_and_hand_backs(qk_norms_on):
     assert "rel. L2" in patch.fallbacks["cpu"]
     patch(q, k, v)
     reasons = _norms()["reasons"]
-    assert reasons == {"arguments other than QKNorm's (q, k, v)": 1, pfn.REASON_FALLBACK: 2}, reasons
+    assert reasons == {"arguments other than QKNorm's (q, k, v)": 1, fused_block_patch.REASON_FALLBACK: 2}, reasons
 
 
 def test_other_qk_norms_are_left_alone():
     other = QKNorm(HEAD_DIM)
     other.query_norm = torch.nn.LayerNorm(HEAD_DIM)
-    assert "query_norm" in pfn.fusable_qk_norm(other)
+    assert "query_norm" in fused_flux.fusable_qk_norm(other)
 
     class KreaQKNorm(QKNorm):  # another model's QKNorm class with its own forward
         def forward(self, q, k, v):
             return q, k
 
-    assert "not ComfyUI's flux QKNorm" in pfn.fusable_qk_norm(KreaQKNorm(HEAD_DIM))
+    assert "not ComfyUI's flux QKNorm" in fused_flux.fusable_qk_norm(KreaQKNorm(HEAD_DIM))
 
 
 # ---- Flux's blocks ------------------------------------------------------------------------------
@@ -632,7 +633,7 @@ class SingleStreamBlock(torch.nn.Module):
 
 
 for _cls in (DoubleStreamBlock, SingleStreamBlock):
-    _cls.__module__ = pfn.FLUX_MODULE
+    _cls.__module__ = fused_block_patch.FLUX_MODULE
 
 
 class FluxModel(torch.nn.Module):
@@ -664,10 +665,10 @@ def test_flux_blocks_are_patched_served_and_match(dtype, qk_norms_on):
     the caller's tensors."""
     model = FluxModel(dtype)
     patcher = FakePatcher(model)
-    assert pfn.patch_fused_norms(patcher, "Flux #test") == 3 + 4
+    assert fused_norms.patch_fused_norms(patcher, "Flux #test") == 3 + 4
     double = patcher.object_patches["diffusion_model.double_blocks.0.forward"]
     single = patcher.object_patches["diffusion_model.single_blocks.1.forward"]
-    assert isinstance(double, pfn.FusedFluxDoubleBlock) and isinstance(single, pfn.FusedFluxSingleBlock)
+    assert isinstance(double, fused_flux.FusedFluxDoubleBlock) and isinstance(single, fused_flux.FusedFluxSingleBlock)
     call = flux_call(dtype)
     tol = 1e-6 if dtype == torch.float32 else 0.0
     for _ in range(2):  # the checked call, then a served one
@@ -683,21 +684,21 @@ def test_flux_blocks_are_patched_served_and_match(dtype, qk_norms_on):
     assert torch.equal(x, torch.cat((call["txt"], call["img"]), 1)), "the served call wrote into its input"
     assert torch.equal(inputs["img"], call["img"]) and torch.equal(inputs["txt"], call["txt"])
     norms = _norms()
-    assert norms["paths"] == {pfn.PATH_FLUX: 4} and norms["handed_back"] == 0, norms
+    assert norms["paths"] == {fused_block_patch.PATH_FLUX: 4} and norms["handed_back"] == 0, norms
     assert double.guarded == {"cpu"} and single.guarded == {"cpu"}
 
 
 def test_flux_blocks_only_in_mode_all(monkeypatch):
     monkeypatch.setenv("TRITON_ACCEL_FUSED_NORMS", "qk")
     patcher = FakePatcher(FluxModel())
-    assert pfn.patch_fused_norms(patcher, "Flux #test") == 4  # the QKNorms only
-    assert not any(isinstance(p, pfn._FusedFluxBlock) for p in patcher.object_patches.values())
+    assert fused_norms.patch_fused_norms(patcher, "Flux #test") == 4  # the QKNorms only
+    assert not any(isinstance(p, fused_flux.FusedFluxBlock) for p in patcher.object_patches.values())
 
 
 def test_flux_calls_it_cannot_serve_go_to_comfyui(qk_norms_on):
     model = FluxModel()
     patcher = FakePatcher(model)
-    pfn.patch_fused_norms(patcher, "Flux #test")
+    fused_norms.patch_fused_norms(patcher, "Flux #test")
     single = patcher.object_patches["diffusion_model.single_blocks.0.forward"]
     double = patcher.object_patches["diffusion_model.double_blocks.0.forward"]
     call = flux_call()
@@ -709,7 +710,7 @@ def test_flux_calls_it_cannot_serve_go_to_comfyui(qk_norms_on):
     with pytest.raises(TypeError):  # ComfyUI's forward gets the odd call, and rejects it too
         single(x.clone())
     reasons = _norms()["reasons"]
-    assert reasons == {pfn.REASON_PATCHES: 2, "per-token modulation (modulation_dims) stays ComfyUI's": 1,
+    assert reasons == {fused_block_patch.REASON_PATCHES: 2, "per-token modulation (modulation_dims) stays ComfyUI's": 1,
                        "arguments: x, vec, pe are required": 1}, reasons
     assert _norms()["served"] == 0
 
@@ -724,7 +725,7 @@ def test_flux_linears_read_the_norm_kernels_fp8_rows(monkeypatch, qk_norms_on):
     scopes, inside = _recording_scopes(monkeypatch, used=1)
     model = FluxModel()
     patcher = FakePatcher(model)
-    pfn.patch_fused_norms(patcher, "Flux #test")
+    fused_norms.patch_fused_norms(patcher, "Flux #test")
     block, single = model.double_blocks[0], model.single_blocks[0]
     modules = {"img_qkv": block.img_attn.qkv, "txt_qkv": block.txt_attn.qkv, "img_mlp0": block.img_mlp[0],
                "txt_mlp0": block.txt_mlp[0], "img_proj": block.img_attn.proj, "linear1": single.linear1,
@@ -754,7 +755,7 @@ def test_flux_linears_read_the_norm_kernels_fp8_rows(monkeypatch, qk_norms_on):
 
 def test_flux_block_guard_sends_a_disagreeing_block_back(qk_norms_on):
     patcher = FakePatcher(FluxModel())
-    pfn.patch_fused_norms(patcher, "Flux #test")
+    fused_norms.patch_fused_norms(patcher, "Flux #test")
     single = patcher.object_patches["diffusion_model.single_blocks.0.forward"]
     original = single.previous
     single.previous = lambda *a, **k: original(*a, **k) * 1.05
@@ -766,7 +767,7 @@ def test_flux_block_guard_sends_a_disagreeing_block_back(qk_norms_on):
     other = patcher.object_patches["diffusion_model.single_blocks.1.forward"]
     assert other.fallbacks is single.fallbacks
     other(x.clone(), vec=call["vec"], pe=None)
-    assert _norms()["reasons"][pfn.REASON_FALLBACK] == 2
+    assert _norms()["reasons"][fused_block_patch.REASON_FALLBACK] == 2
 
 
 def test_other_flux_blocks_are_left_alone():
@@ -776,30 +777,29 @@ def test_other_flux_blocks_are_left_alone():
 
     block = DoubleStreamBlock()
     block.flipped_img_txt = True
-    assert "flipped" in pfn.fusable_flux_block(block)
+    assert "flipped" in fused_flux.fusable_flux_block(block)
     affine = SingleStreamBlock()
     affine.pre_norm = torch.nn.LayerNorm(FLUX_HIDDEN)
-    assert "pre_norm" in pfn.fusable_flux_block(affine)
-    assert "not ComfyUI's flux" in pfn.fusable_flux_block(KontextDouble())
-    assert pfn.fusable_flux_block(SingleStreamBlock()) is None and pfn.fusable_flux_block(DoubleStreamBlock()) is None
+    assert "pre_norm" in fused_flux.fusable_flux_block(affine)
+    assert "not ComfyUI's flux" in fused_flux.fusable_flux_block(KontextDouble())
+    assert fused_flux.fusable_flux_block(SingleStreamBlock()) is None and fused_flux.fusable_flux_block(DoubleStreamBlock()) is None
 
 
 def test_no_rows_for_a_linear_that_hands_the_stream_back():
     """A Linear carrying our Linear patch (ComfyUI installs it as the module's own forward) with
     min_tokens above the stream's token count never reads rows: none are made for it (Flux's
     512-token text stream under min_tokens 1024); any other module may read them."""
-    from triton_accel.nodes import patch_linear as pl
 
     linear = torch.nn.Linear(8, 8)
     x = torch.randn(1, 7, 8)
-    assert pfn._may_read_rows(linear, x)
-    layer = pl.LinearLayer.__new__(pl.LinearLayer)
+    assert fused_block_patch.may_read_rows(linear, x)
+    layer = linear_layer.LinearLayer.__new__(linear_layer.LinearLayer)
     layer.state = types.SimpleNamespace(min_tokens=8)
     linear.forward = layer
-    assert not pfn._may_read_rows(linear, x)
+    assert not fused_block_patch.may_read_rows(linear, x)
     layer.state.min_tokens = 7
-    assert pfn._may_read_rows(linear, x)
-    patch = pfn.FusedFluxSingleBlock("Flux #test", "single_blocks.0", SingleStreamBlock(), None)
+    assert fused_block_patch.may_read_rows(linear, x)
+    patch = fused_flux.FusedFluxSingleBlock("Flux #test", "single_blocks.0", SingleStreamBlock(), None)
     layer.state.min_tokens = 8
     assert not patch._wants_rows("linear1", True, linear, x) and patch._wants_rows("linear1", True)
 
@@ -834,7 +834,7 @@ def flux_math(monkeypatch):
     """The fake blocks' `attention` global (what _flux_attention reads) becomes ComfyUI's."""
     import sys
 
-    namespace = {"__name__": pfn.FLUX_MATH_MODULE, "torch": torch, "calls": []}
+    namespace = {"__name__": fused_block_patch.FLUX_MATH_MODULE, "torch": torch, "calls": []}
     for name, fn in (("optimized_attention", _math_optimized_attention), ("apply_rope1", _math_apply_rope1),
                      ("attention", _math_attention)):
         namespace[name] = types.FunctionType(fn.__code__, namespace, name, fn.__defaults__)
@@ -856,7 +856,7 @@ def test_flux_blocks_norm_and_rope_into_the_attentions_q_and_k(dtype, qk_norms_o
     norm + RoPE kernel wrote, and their outputs match ComfyUI's forward (norm, cat, RoPE)."""
     model = FluxModel(dtype)
     patcher = FakePatcher(model)
-    pfn.patch_fused_norms(patcher, "Flux #test")
+    fused_norms.patch_fused_norms(patcher, "Flux #test")
     double = patcher.object_patches["diffusion_model.double_blocks.0.forward"]
     single = patcher.object_patches["diffusion_model.single_blocks.0.forward"]
     call = dict(flux_call(dtype), pe=flux_pe(1, 10))
@@ -883,29 +883,29 @@ def test_flux_rope_fusion_stays_off_where_it_must(monkeypatch, qk_norms_on, flux
     another node's patch on a QKNorm: the block then runs the norm, cat and ComfyUI's RoPE."""
     model = FluxModel()
     patcher = FakePatcher(model)
-    pfn.patch_fused_norms(patcher, "Flux #test")
+    fused_norms.patch_fused_norms(patcher, "Flux #test")
     block = model.double_blocks[0]
     norms = (block.img_attn.norm, block.txt_attn.norm)
     pe = flux_pe(1, 10)
-    assert pfn._rope_refusal(block, norms, pe) is None
-    assert pfn._rope_refusal(block, norms, None) == "no rope"
+    assert fused_flux._rope_refusal(block, norms, pe) is None
+    assert fused_flux._rope_refusal(block, norms, None) == "no rope"
     assert patcher.object_patches["diffusion_model.double_blocks.0.forward"].fuse_rope
     monkeypatch.setenv("TRITON_ACCEL_FUSED_ROPE", "0")  # read when the node patches
     off = FakePatcher(FluxModel())
-    pfn.patch_fused_norms(off, "Flux #test")
+    fused_norms.patch_fused_norms(off, "Flux #test")
     patch = off.object_patches["diffusion_model.double_blocks.0.forward"]
-    assert not patch.fuse_rope and "TRITON_ACCEL_FUSED_ROPE" in pfn._rope_refusal(block, norms, pe, patch.fuse_rope)
+    assert not patch.fuse_rope and "TRITON_ACCEL_FUSED_ROPE" in fused_flux._rope_refusal(block, norms, pe, patch.fuse_rope)
     monkeypatch.delenv("TRITON_ACCEL_FUSED_ROPE")
     block.img_attn.norm.forward = lambda q, k, v: (q, k)  # another node's object patch
-    assert "another node" in pfn._rope_refusal(block, norms, pe)
+    assert "another node" in fused_flux._rope_refusal(block, norms, pe)
     del block.img_attn.norm.forward
-    guarded = pfn.FusedQKNorm("Flux #test", "x", block.img_attn.norm, block.img_attn.norm.forward)
+    guarded = fused_flux.FusedQKNorm("Flux #test", "x", block.img_attn.norm, block.img_attn.norm.forward)
     block.img_attn.norm.forward = guarded  # ours: still fused
-    assert pfn._rope_refusal(block, norms, pe) is None
+    assert fused_flux._rope_refusal(block, norms, pe) is None
     del block.img_attn.norm.forward
     import sys
     monkeypatch.setattr(sys.modules[__name__], "attention", lambda q, k, v, pe, mask=None, transformer_options={}: q)
-    assert "not ComfyUI's flux attention" in pfn._rope_refusal(block, norms, pe)
+    assert "not ComfyUI's flux attention" in fused_flux._rope_refusal(block, norms, pe)
 
 
 def test_flux_rope_call_the_kernel_refuses_runs_comfyuis_way(monkeypatch, qk_norms_on, flux_math):
@@ -916,7 +916,7 @@ def test_flux_rope_call_the_kernel_refuses_runs_comfyuis_way(monkeypatch, qk_nor
     monkeypatch.setattr(qnr, "HEAD_DIMS", (64,))
     model = FluxModel()
     patcher = FakePatcher(model)
-    pfn.patch_fused_norms(patcher, "Flux #test")
+    fused_norms.patch_fused_norms(patcher, "Flux #test")
     single = patcher.object_patches["diffusion_model.single_blocks.0.forward"]
     call = flux_call()
     x = torch.cat((call["txt"], call["img"]), 1)

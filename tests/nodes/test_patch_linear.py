@@ -27,9 +27,13 @@ import torch.nn.functional as F
 from triton_accel import kernels
 from triton_accel.kernels.core import extensions
 from triton_accel.kernels.linear.dispatch import linear_ref
-from triton_accel.nodes import call_stats
-from triton_accel.nodes import patch_linear as pl
-from triton_accel.nodes.settings import AccelSettings, TritonAccelSettings
+from triton_accel.runtime import call_stats
+from triton_accel.nodes import patch_nodes
+from triton_accel.runtime import (activation_marks, fused_activations, guards, linear_common, linear_layer,
+                                  linear_patch, linear_state)
+from triton_accel.runtime import settings as settings_mod
+from triton_accel.runtime.settings import AccelSettings
+from triton_accel.nodes.settings_node import TritonAccelSettings
 
 LAYER_TOL = {"fp8": 0.06, "int8": 0.02, "fp8_weight_only": 0.06}
 MODEL_TOL = 0.08
@@ -38,7 +42,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The real weight preparation with the float32 reference matmul: for the tests of the patch's
 # bookkeeping (what is prepared when, what is freed), where the interpreter's minutes per
 # model forward would buy nothing. The tests of served calls run the kernels.
-REF_BACKEND = pl.LinearBackend(kernels.prepare_weight, lambda x, p, b, dt: linear_ref(x, p, b).to(dt),
+REF_BACKEND = linear_common.LinearBackend(kernels.prepare_weight, lambda x, p, b, dt: linear_ref(x, p, b).to(dt),
                                kernels.linear_refusal, kernels.LinearInputError)
 
 
@@ -226,7 +230,7 @@ DEFAULT_SKIP_CASES = [
 @pytest.mark.parametrize("family,name,skipped", DEFAULT_SKIP_CASES,
                          ids=[f"{f}-{n}" for f, n, _ in DEFAULT_SKIP_CASES])
 def test_default_skip_patterns(family, name, skipped):
-    assert (pl.SkipPatterns.parse("auto").match(name) is not None) == skipped
+    assert (linear_common.SkipPatterns.parse("auto").match(name) is not None) == skipped
 
 
 @pytest.mark.parametrize("text,name,expect", [
@@ -238,19 +242,19 @@ def test_default_skip_patterns(family, name, skipped):
     ("  Blocks.0.QKV ", "blocks.0.qkv", "blocks.0.qkv"),  # case-insensitive globs, spaces trimmed
 ])
 def test_custom_skip_patterns(text, name, expect):
-    assert pl.SkipPatterns.parse(text).match(name) == expect
+    assert linear_common.SkipPatterns.parse(text).match(name) == expect
 
 
 def test_bad_regex_is_refused_with_the_pattern():
     with pytest.raises(ValueError, match="re:blocks\\.\\("):
-        pl.SkipPatterns.parse("auto, re:blocks.(")
+        linear_common.SkipPatterns.parse("auto, re:blocks.(")
 
 
 # ---- calls handed back ----------------------------------------------------------------------
 
 def _layer(settings=FORCED["fp8"], skip="", min_tokens=4, name="blocks.0.qkv", module=None, backend=None):
     label = f"Fake #{uuid.uuid4().hex[:8]}"  # unique: states of earlier tests may still be alive
-    state = pl.LinearPatchState(settings, pl.SkipPatterns.parse(skip), min_tokens, backend, label=label)
+    state = linear_state.LinearPatchState(settings, linear_common.SkipPatterns.parse(skip), min_tokens, backend, label=label)
     torch.manual_seed(1)
     module = module if module is not None else ComfyLinear(32, 48)
     calls = []
@@ -259,7 +263,7 @@ def _layer(settings=FORCED["fp8"], skip="", min_tokens=4, name="blocks.0.qkv", m
         calls.append((args, kwargs))
         return module.__class__.forward(module, *args, **kwargs)
 
-    layer = pl.LinearLayer(state, name, module, previous)
+    layer = linear_layer.LinearLayer(state, name, module, previous)
     state.layers.append(layer)
     return layer, calls
 
@@ -276,15 +280,15 @@ HAND_BACK_CASES = {
     # name: (how to set the layer / call up, reason the stats must show)
     "skip-pattern": ({"skip": "blocks.*"}, None, "name matches skip pattern 'blocks.*'"),
     "few-tokens": ({"min_tokens": 64}, None, "fewer than 64 tokens: quantising cannot pay"),
-    "lora-lowvram-weight-function": ({}, "weight_function", pl.REASON_WEIGHT_FUNCTION),
-    "comfy-quantized-layer": ({}, "layout_type", pl.REASON_QUANTIZED),
-    "quantized-tensor-weight": ({}, "tensor_subclass", pl.REASON_QUANTIZED),
-    "quantized-input": ({}, "input_subclass", pl.REASON_INPUT_TYPE),
-    "offloaded-weight": ({}, "meta_weight", pl.REASON_OFFLOADED),
-    "dynamic-vram-weight": ({}, "vbar_weight", pl.REASON_DYNAMIC_VRAM),
+    "lora-lowvram-weight-function": ({}, "weight_function", linear_common.REASON_WEIGHT_FUNCTION),
+    "comfy-quantized-layer": ({}, "layout_type", linear_common.REASON_QUANTIZED),
+    "quantized-tensor-weight": ({}, "tensor_subclass", linear_common.REASON_QUANTIZED),
+    "quantized-input": ({}, "input_subclass", linear_common.REASON_INPUT_TYPE),
+    "offloaded-weight": ({}, "meta_weight", linear_common.REASON_OFFLOADED),
+    "dynamic-vram-weight": ({}, "vbar_weight", linear_common.REASON_DYNAMIC_VRAM),
     "float64-input": ({}, "float64", "input dtype torch.float64 is not float16/bfloat16/float32"),
     "e5m2-weight": ({}, "e5m2", "weight dtype torch.float8_e5m2 is not"),
-    "extra-argument": ({}, "extra_arg", pl.REASON_ARGUMENTS),
+    "extra-argument": ({}, "extra_arg", linear_common.REASON_ARGUMENTS),
     "mode-off": ({"settings": AccelSettings("off", linear_mode="off")}, None, "off: ComfyUI's own Linear layers"),
     "auto-on-cpu": ({"settings": AccelSettings("auto")}, None, "PyTorch Linear: no GPU"),
     "features-not-multiple-of-16": ({"module": ComfyLinear(24, 48)}, "k24", "in_features must be a positive multiple"),
@@ -368,7 +372,7 @@ def test_served_layer_matches_linear(mode, dtype, shape):
 
 
 def test_module_attr_answers_as_getattr():
-    """pl.module_attr skips nn.Module.__getattr__'s exception for missing names; for every other
+    """linear_common.module_attr skips nn.Module.__getattr__'s exception for missing names; for every other
     kind of name it must give what getattr gives."""
     class WithProperty(ComfyLinear):
         layout_type = None  # class attribute
@@ -385,10 +389,10 @@ def test_module_attr_answers_as_getattr():
     for name in ("weight", "bias", "scale_weight", "_v", "child", "note", "layout_type", "quant_format",
                  "weight_function", "comfy_cast_weights", "missing", "forward"):
         expected = getattr(module, name, "default")
-        got = pl.module_attr(module, name, "default")
+        got = linear_common.module_attr(module, name, "default")
         assert got is expected or (callable(expected) and got == expected), name
     module.layout_type = "set later"  # an instance attribute over the class one
-    assert pl.module_attr(module, "layout_type") == "set later"
+    assert linear_common.module_attr(module, "layout_type") == "set later"
 
 
 def test_served_call_reads_the_module_without_nn_module_getattr():
@@ -453,7 +457,7 @@ def test_forced_fp8_model_matches_unpatched_and_input_model_untouched():
     base = FakePatcher(BaseModel())
     x, t = _inputs()
     expected = base.model.diffusion_model(x, t)
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="auto", min_tokens=16)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="auto", min_tokens=16)
     assert base.object_patches == {}, "the input model was modified"
     assert sorted(k for k in patched.object_patches) == sorted(
         f"diffusion_model.{n}.forward" for n in ("img_in", "time_in.in_layer", "blocks.0.img_mod.lin", "blocks.0.qkv",
@@ -495,7 +499,7 @@ def test_fp8_checkpoint_weights_with_scale_weight_used_as_is():
 # ---- quality guard --------------------------------------------------------------------------
 
 def _broken_backend(kind):
-    good = pl.default_backend()
+    good = linear_common.default_backend()
 
     def run(x, prepared, bias, out_dtype):
         out = good.run(x, prepared, bias, out_dtype)
@@ -507,7 +511,7 @@ def _broken_backend(kind):
             return out
         raise RuntimeError("deliberately broken kernel")
 
-    return pl.LinearBackend(good.prepare, run, good.refusal, good.input_error)
+    return linear_common.LinearBackend(good.prepare, run, good.refusal, good.input_error)
 
 
 @pytest.mark.parametrize("kind,reason", [("scaled", "rel. L2 0.2"), ("nan", "NaN/Inf in our output"),
@@ -520,7 +524,7 @@ def test_guard_sends_a_broken_layer_back_for_good(kind, reason):
     second = layer(x)
     assert torch.equal(first, expected) and torch.equal(second, expected), "a rejected output reached the model"
     assert len(calls) == 2
-    report = pl.fallback_report()
+    report = linear_state.fallback_report()
     mine = [r for r in report if r["model"] == layer.state.label]
     assert len(mine) == 1 and mine[0]["layer"] == "blocks.0.qkv" and reason in mine[0]["reason"], report
     stats = _linear_stats()
@@ -543,8 +547,8 @@ def test_guard_passes_a_good_layer_and_runs_once_per_weight_version():
         layer.module.weight.mul_(2.0)  # a new weight version: prepared again, checked again
     layer(x)
     assert len(calls) == 2
-    assert pl.guard_failure(torch.ones(4), torch.ones(4), 0.05) is None
-    assert "rel. L2" in pl.guard_failure(torch.ones(4) * 1.1, torch.ones(4), 0.05)
+    assert guards.guard_failure(torch.ones(4), torch.ones(4), 0.05) is None
+    assert "rel. L2" in guards.guard_failure(torch.ones(4) * 1.1, torch.ones(4), 0.05)
 
 
 # ---- preparing weights: all together, once per weight version ------------------------------
@@ -553,7 +557,7 @@ class CountingBackend:
     def __init__(self):
         good = REF_BACKEND
         self.prepared = []
-        self.backend = pl.LinearBackend(self._prepare, good.run, good.refusal, good.input_error)
+        self.backend = linear_common.LinearBackend(self._prepare, good.run, good.refusal, good.input_error)
         self._good = good
 
     def _prepare(self, weight, method, scale=None):
@@ -564,7 +568,7 @@ class CountingBackend:
 def test_first_call_prepares_every_layer_once_with_one_log_line(caplog):
     counting = CountingBackend()
     base = FakePatcher(_model())
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="auto", min_tokens=16, backend=counting.backend)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="auto", min_tokens=16, backend=counting.backend)
     patched.patch_model()
     x, t = _inputs()
     with caplog.at_level("INFO", logger="triton_accel"):
@@ -583,7 +587,7 @@ def test_weight_change_invalidates_prepared_weight(change):
     with new weight patches (a new patches_uuid, seen through ON_LOAD)."""
     counting = CountingBackend()
     base = FakePatcher(_model())
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=counting.backend)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=counting.backend)
     patched.patch_model()
     layer = patched.object_patches["diffusion_model.blocks.0.proj.forward"]
     module = layer.module
@@ -612,7 +616,7 @@ def test_weight_change_invalidates_prepared_weight(change):
 def test_unchanged_weights_are_not_prepared_again():
     counting = CountingBackend()
     base = FakePatcher(_model())
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=counting.backend)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=counting.backend)
     patched.patch_model()
     x, t = _inputs()
     patched.model.diffusion_model(x, t)
@@ -637,7 +641,7 @@ def _live_tensor_bytes() -> tuple[int, int]:
 
 def test_unpatch_frees_prepared_weights_and_restores_forward():
     base = FakePatcher(_model())
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
     state = patched.triton_accel_linear
     patched.patch_model()
     patched.model.diffusion_model(*_inputs())
@@ -647,12 +651,12 @@ def test_unpatch_frees_prepared_weights_and_restores_forward():
     patched.detach(unpatch_all=True)
     assert state.prepared_bytes() == 0
     for module in base.model.diffusion_model.modules():
-        assert not isinstance(module.__dict__.get("forward"), pl.LinearLayer)
+        assert not isinstance(module.__dict__.get("forward"), linear_layer.LinearLayer)
 
 
 def test_garbage_collected_clone_frees_prepared_weights():
     base = FakePatcher(_model())
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
     state = patched.triton_accel_linear
     patched.patch_model()
     patched.model.diffusion_model(*_inputs())
@@ -667,7 +671,7 @@ def test_twenty_patch_unpatch_cycles_do_not_grow_memory():
     x, t = _inputs()
     counts = []
     for cycle in range(20):
-        patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
+        patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
         patched.patch_model()
         patched.model.diffusion_model(x, t)
         assert patched.triton_accel_linear.prepared_bytes() > 0
@@ -676,25 +680,25 @@ def test_twenty_patch_unpatch_cycles_do_not_grow_memory():
         if cycle in (1, 19):  # after the first cycles' one-time allocations, and at the end
             counts.append(_live_tensor_bytes())
     assert counts[1] == counts[0], f"live CPU tensors (count, bytes) grew over 20 cycles: {counts[0]} -> {counts[1]}"
-    live = [s for s in list(pl._live_states) if s.layers and s.layers[0].module is base.model.diffusion_model.img_in]
+    live = [s for s in list(linear_state._live_states) if s.layers and s.layers[0].module is base.model.diffusion_model.img_in]
     assert len(live) <= 1, f"{len(live)} patch states of this model still alive"
 
 
 def test_repatching_a_patched_clone_wraps_comfyuis_forward_not_ours():
     base = FakePatcher(_model())
-    first = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
-    second = pl.patch_linear_model(first, FORCED["fp8"], skip="", min_tokens=1)
+    first = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=1, backend=REF_BACKEND)
+    second = linear_patch.patch_linear_model(first, FORCED["fp8"], skip="", min_tokens=1)
     layer = second.object_patches["diffusion_model.blocks.0.qkv.forward"]
-    assert not isinstance(layer.previous, pl.LinearLayer)
+    assert not isinstance(layer.previous, linear_layer.LinearLayer)
 
 
 # ---- the nodes ------------------------------------------------------------------------------
 
 def test_combined_node_patches_attention_and_linear_under_one_label():
-    from triton_accel.nodes.patch_attention import OVERRIDE_KEY
+    from triton_accel.runtime.attention_patch import OVERRIDE_KEY
 
     base = FakePatcher(_model())
-    result = pl.TritonAccelPatch().patch(base, "auto", 64, AccelSettings("fp16", linear_mode="fp8"))
+    result = patch_nodes.TritonAccelPatch().patch(base, "auto", 64, AccelSettings("fp16", linear_mode="fp8"))
     patched = result["result"][0]
     override = patched.model_options["transformer_options"][OVERRIDE_KEY]
     assert patched.triton_accel_linear.label == override.label
@@ -705,7 +709,7 @@ def test_combined_node_patches_attention_and_linear_under_one_label():
 
 
 def test_linear_node_without_settings_is_auto():
-    result = pl.TritonAccelPatchLinear().patch(FakePatcher(_model()))
+    result = patch_nodes.TritonAccelPatchLinear().patch(FakePatcher(_model()))
     text = result["ui"]["text"][0]
     assert "PyTorch Linear: no GPU" in text, text
 
@@ -726,7 +730,7 @@ def test_settings_node_shows_both_decisions():
 class SingleStreamBlock(torch.nn.Module):
     """Flux's single block: linear1's output split into [3 * hidden | MLP], mlp_act on the MLP
     part only, then torch.cat: fused with a contiguous copy where FP8 W8A8 runs it and
-    patch_linear_model(copy_activations=True) asks for it (pl.fusable_with_copy)."""
+    patch_linear_model(copy_activations=True) asks for it (fused_activations.fusable_with_copy)."""
 
     def __init__(self, hidden=48, mlp_ratio=2.0, yak_mlp=False):
         super().__init__()
@@ -790,12 +794,12 @@ def _fusable(seed=0):
 def test_fusable_activations_found_in_real_block_shapes():
     # In place: the Sequential MLP. With a contiguous copy: the single block, whose GELU feeds
     # torch.cat (slower on the strided slice of linear1 than the GELU pass costs).
-    assert pl.fusable_activations(FusableModel().diffusion_model) == [("double_mlp.0", "double_mlp.1", 0)]
-    assert pl.fusable_with_copy(FusableModel().diffusion_model) == [
+    assert fused_activations.fusable_activations(FusableModel().diffusion_model) == [("double_mlp.0", "double_mlp.1", 0)]
+    assert fused_activations.fusable_with_copy(FusableModel().diffusion_model) == [
         ("single_blocks.0.linear1", "single_blocks.0.mlp_act", 144)]
     # exact GELU (approximate="none", SD-style blocks) is not what the epilogue computes
-    assert pl.fusable_activations(BaseModel().diffusion_model) == []
-    assert pl.fusable_with_copy(BaseModel().diffusion_model) == []
+    assert fused_activations.fusable_activations(BaseModel().diffusion_model) == []
+    assert fused_activations.fusable_with_copy(BaseModel().diffusion_model) == []
 
 
 @pytest.mark.parametrize("variant", ["yak_mlp", "wider_first_half", "silu", "other_class", "linear1_size"])
@@ -811,7 +815,7 @@ def test_single_blocks_whose_mlp_takes_another_slice_are_left_alone(variant):
     if variant == "other_class":
         block.__class__ = type("OtherBlock", (SingleStreamBlock,), {})
     root.block = block
-    assert pl.fusable_with_copy(root) == []
+    assert fused_activations.fusable_with_copy(root) == []
 
 
 @pytest.mark.parametrize("copies", [False, True], ids=["no_copy", "default_copy"])
@@ -820,14 +824,14 @@ def test_gelu_runs_in_the_gemm_and_the_model_matches_unpatched(mode, copies, gel
     method = _method_available(mode)
     base, x, expected = _fusable()
     gelu_calls.clear()
-    patched = pl.patch_linear_model(base, FORCED[mode], skip="", min_tokens=16, copy_activations=copies)
+    patched = linear_patch.patch_linear_model(base, FORCED[mode], skip="", min_tokens=16, copy_activations=copies)
     state = patched.triton_accel_linear
     assert state.fused_activations == 1 + copies and state.copied_activations == copies
     act_patches = {"diffusion_model.double_mlp.1.forward"}
     if copies:
         act_patches.add("diffusion_model.single_blocks.0.mlp_act.forward")
-    assert {k for k, v in patched.object_patches.items() if isinstance(v, pl.FusedActivation)} == act_patches
-    text = pl.patched_linear_text(patched, FORCED[mode])
+    assert {k for k, v in patched.object_patches.items() if isinstance(v, fused_activations.FusedActivation)} == act_patches
+    text = linear_patch.patched_linear_text(patched, FORCED[mode])
     assert f"{1 + copies} GELU activations run in our GEMM's epilogue" in text
     assert ("1 of them, whose output is concat" in text) == copies
     patched.patch_model()
@@ -854,7 +858,7 @@ def test_handed_back_calls_keep_comfyuis_gelu(gelu_calls):
     _method_available("fp8")
     base, x, expected = _fusable()
     gelu_calls.clear()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=10 ** 6)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=10 ** 6)
     patched.patch_model()
     with torch.no_grad():
         out = patched.model.diffusion_model(x)
@@ -865,12 +869,12 @@ def test_handed_back_calls_keep_comfyuis_gelu(gelu_calls):
 
 
 def test_guard_failure_with_a_fused_activation_hands_back_unactivated(gelu_calls):
-    broken = pl.LinearBackend(kernels.prepare_weight,
+    broken = linear_common.LinearBackend(kernels.prepare_weight,
                               lambda x, p, b, dt, **kw: torch.full((*x.shape[:-1], p.out_features), 7.0, dtype=dt),
                               kernels.linear_refusal, kernels.LinearInputError)
     base, x, expected = _fusable()
     gelu_calls.clear()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, backend=broken)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, backend=broken)
     patched.patch_model()
     with torch.no_grad():
         out = patched.model.diffusion_model(x)
@@ -890,13 +894,13 @@ def _recording_backend(graphs: list):
 
 def _compiled_ops(graphs) -> int:
     return sum(1 for gm in graphs for node in gm.graph.nodes
-               if "triton_accel" in str(node.target) and pl.COMPILED_OP in str(node.target))
+               if "triton_accel" in str(node.target) and linear_layer.COMPILED_OP in str(node.target))
 
 
 def _activated_ops(graphs) -> int:
     """patched_linear ops recorded with the GELU in them (FusedSequential)."""
     return sum(1 for gm in graphs for node in gm.graph.nodes
-               if pl.COMPILED_OP in str(node.target) and node.args[2:] == (True,))
+               if linear_layer.COMPILED_OP in str(node.target) and node.args[2:] == (True,))
 
 
 def _run_compiled(patched, x, graphs: list):
@@ -921,15 +925,15 @@ def test_torch_compile_serves_every_layer_through_one_op(gelu_calls, backend, mo
     real tensors, never traced."""
     _method_available("fp8")
     run_times = []
-    compiled_call = pl.LinearLayer.compiled_call
+    compiled_call = linear_layer.LinearLayer.compiled_call
 
     def spied(self, x, activated=False):
         run_times.append(torch.compiler.is_compiling() or type(x) is not torch.Tensor)
         return compiled_call(self, x, activated)
 
-    monkeypatch.setattr(pl.LinearLayer, "compiled_call", spied)
+    monkeypatch.setattr(linear_layer.LinearLayer, "compiled_call", spied)
     base, x, expected = _fusable()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, copy_activations=True)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, copy_activations=True)
     patched.patch_model()
     graphs = []
     torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
@@ -964,10 +968,10 @@ def test_torch_compile_fused_op_applies_comfyuis_gelu_where_it_hands_back():
     compiled model equals the unpatched one."""
     _method_available("fp8")
     base, x, expected = _fusable()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
     patched.patch_model()
     for each in patched.triton_accel_linear.layers:  # read at run time only: the trace records the op
-        each.fallbacks[pl.device_key(x.device)] = "quality guard: rel. L2 1.0 (test)"
+        each.fallbacks[settings_mod.device_key(x.device)] = "quality guard: rel. L2 1.0 (test)"
     layer = next(layer for layer in patched.triton_accel_linear.layers if layer.name == "double_mlp.0")
     applied = []
     forward = layer.activation_forward
@@ -993,7 +997,7 @@ def test_torch_compile_traces_calls_under_min_tokens_as_comfyui():
     longer = torch.randn(2, x.shape[1] + 8, x.shape[2])
     with torch.no_grad():
         expected_longer = base.model.diffusion_model(longer)  # unpatched
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=x.shape[0] * x.shape[1] + 1)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=x.shape[0] * x.shape[1] + 1)
     patched.patch_model()
     graphs = []
     torch.compiler.reset()
@@ -1032,7 +1036,7 @@ def test_torch_compile_traces_the_sequential_as_it_is_under_another_patch():
     (that node's forward would be skipped), the Sequential is traced as it is."""
     _method_available("fp8")
     base, x, expected = _fusable()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
     seen = []
 
     def other(t):
@@ -1053,7 +1057,7 @@ def test_torch_compile_traces_the_sequential_as_it_is_under_another_patch():
 def test_torch_compile_traces_skipped_layers_and_autograd_calls_as_comfyui():
     _method_available("fp8")
     base, x, expected = _fusable()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="single_blocks.*", min_tokens=16)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="single_blocks.*", min_tokens=16)
     patched.patch_model()
     graphs = []
     out = _run_compiled(patched, x, graphs)
@@ -1076,7 +1080,7 @@ def test_torch_compile_with_dynamic_shapes_serves_each_length():
     symbolic token counts, and each length is served at run time."""
     _method_available("fp8")
     base, x, _ = _fusable()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
     patched.patch_model()
     graphs = []
     torch.compiler.reset()  # dynamo's per-code-object recompile limit spans tests
@@ -1101,32 +1105,32 @@ def test_calls_autograd_records_go_to_comfyui():
         x_ref = x.detach().clone().requires_grad_(True)
         layer.module.__class__.forward(layer.module, x_ref).square().sum().backward()
     assert len(calls) == 1
-    assert _linear_stats()["reasons"] == {pl.REASON_AUTOGRAD: 1}
+    assert _linear_stats()["reasons"] == {linear_common.REASON_AUTOGRAD: 1}
     assert torch.equal(x.grad, x_ref.grad)
 
 
 def test_compiled_op_names_a_freed_layer_with_a_reason():
     layer, _ = _layer(settings=FORCED["fp8"])
     token = layer.token
-    assert pl._layer(token) is layer
+    assert linear_layer._layer(token) is layer
     del layer
     import gc
     gc.collect()
     with pytest.raises(RuntimeError, match="no longer exists"):
-        pl._layer(token)
+        linear_layer._layer(token)
 
 
 def test_repatching_unwraps_our_activation_patch():
     base, _, _ = _fusable()
-    first = pl.patch_linear_model(base, FORCED["fp8"], skip="")
-    second = pl.patch_linear_model(first, FORCED["fp8"], skip="")
+    first = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="")
+    second = linear_patch.patch_linear_model(first, FORCED["fp8"], skip="")
     patch = second.object_patches["diffusion_model.double_mlp.1.forward"]
-    assert isinstance(patch, pl.FusedActivation) and not isinstance(patch.previous, pl.FusedActivation)
+    assert isinstance(patch, fused_activations.FusedActivation) and not isinstance(patch.previous, fused_activations.FusedActivation)
     seq = second.object_patches["diffusion_model.double_mlp.forward"]
-    assert isinstance(seq, pl.FusedSequential) and not isinstance(seq.previous, pl.FusedSequential)
+    assert isinstance(seq, fused_activations.FusedSequential) and not isinstance(seq.previous, fused_activations.FusedSequential)
     assert seq.layer.state is second.triton_accel_linear and seq.layer.name == "double_mlp.0"
     # a skipped Linear leaves its activation to ComfyUI (the clone's inherited patch runs it)
-    third = pl.patch_linear_model(first, FORCED["fp8"], skip="double_mlp.*, single_blocks.*", copy_activations=True)
+    third = linear_patch.patch_linear_model(first, FORCED["fp8"], skip="double_mlp.*, single_blocks.*", copy_activations=True)
     assert third.triton_accel_linear.fused_activations == 0
     for name in ("double_mlp.0", "single_blocks.0.linear1"):
         layer = next(layer for layer in third.triton_accel_linear.layers if layer.name == name)
@@ -1139,7 +1143,7 @@ def test_single_block_mlp_gets_the_contiguous_copy():
     vectorised) when asked for exactly those columns, and the strided slice otherwise."""
     _method_available("fp8")
     base, x, _ = _fusable()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, copy_activations=True)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, copy_activations=True)
     patched.patch_model()
     layer = patched.object_patches["diffusion_model.single_blocks.0.linear1.forward"]
     gelu = patched.object_patches["diffusion_model.single_blocks.0.mlp_act.forward"]
@@ -1153,7 +1157,7 @@ def test_single_block_mlp_gets_the_contiguous_copy():
     assert passed.is_contiguous() and passed.shape == mlp.shape and torch.equal(passed, mlp)
     assert gelu(qkv) is not None and not torch.equal(gelu(qkv), qkv)  # not activated: ComfyUI's GELU runs
     tail = mlp[..., 8:]  # activated columns, but not the copied block: the slice passes as it is
-    assert pl.activated_copy(tail) is None and gelu(tail) is tail
+    assert activation_marks.activated_copy(tail) is None and gelu(tail) is tail
     patched.detach()
 
 
@@ -1162,7 +1166,7 @@ def test_copy_layer_without_a_copying_method_leaves_the_gelu_to_comfyui(gelu_cal
     against ComfyUI's unactivated output, and the block's GELU runs as in ComfyUI."""
     _method_available("int8")
     base, x, expected = _fusable()
-    patched = pl.patch_linear_model(base, FORCED["int8"], skip="", min_tokens=16, copy_activations=True)
+    patched = linear_patch.patch_linear_model(base, FORCED["int8"], skip="", min_tokens=16, copy_activations=True)
     patched.patch_model()
     layer = patched.object_patches["diffusion_model.single_blocks.0.linear1.forward"]
     assert layer.activation_copy and not layer.fuses("int8_w8a8") and layer.fuses("fp8_w8a8")
@@ -1183,48 +1187,48 @@ def test_is_activated_follows_views_of_the_marked_output(grad_mode):
 
 
 def _check_marks_follow_views():
-    assert pl.storage_marks_work()
+    assert activation_marks.storage_marks_work()
     out2d = torch.randn(6, 40)
     view = out2d.reshape(2, 3, 40)
-    pl.mark_activated(view, 16)
-    assert not pl.is_activated(view)  # columns 0-15 are not activated
+    activation_marks.mark_activated(view, 16)
+    assert not activation_marks.is_activated(view)  # columns 0-15 are not activated
     qkv, mlp = torch.split(view, [16, 24], dim=-1)
-    assert pl.is_activated(mlp) and not pl.is_activated(qkv)
-    assert pl.is_activated(view[..., 20:]) and not pl.is_activated(view[..., 8:])
-    assert not pl.is_activated(mlp.contiguous()) and not pl.is_activated(mlp.float() * 1)
-    assert not pl.is_activated(view[:1, :, 16:]), "fewer rows than the kernel wrote: not the same call's output"
+    assert activation_marks.is_activated(mlp) and not activation_marks.is_activated(qkv)
+    assert activation_marks.is_activated(view[..., 20:]) and not activation_marks.is_activated(view[..., 8:])
+    assert not activation_marks.is_activated(mlp.contiguous()) and not activation_marks.is_activated(mlp.float() * 1)
+    assert not activation_marks.is_activated(view[:1, :, 16:]), "fewer rows than the kernel wrote: not the same call's output"
     whole = torch.randn(4, 32)
-    pl.mark_activated(whole, 0)
-    assert pl.is_activated(whole) and pl.is_activated(whole.view(2, 2, 32))
-    assert not pl.is_activated(whole.t()) and not pl.is_activated(torch.randn(4, 32))
+    activation_marks.mark_activated(whole, 0)
+    assert activation_marks.is_activated(whole) and activation_marks.is_activated(whole.view(2, 2, 32))
+    assert not activation_marks.is_activated(whole.t()) and not activation_marks.is_activated(torch.randn(4, 32))
     wide = torch.randn(2, 3, 40)
     copy = torch.randn(2, 3, 24)
-    pl.mark_activated(wide, 16, copy)
+    activation_marks.mark_activated(wide, 16, copy)
     qkv, mlp = torch.split(wide, [16, 24], dim=-1)
     del wide  # the split's views alone keep the storage (and its mark)
-    assert pl.activated_copy(mlp) is not None and torch.equal(pl.activated_copy(mlp), copy)
-    assert pl.activated_copy(qkv) is None and pl.activated_copy(mlp[..., 8:]) is None
+    assert activation_marks.activated_copy(mlp) is not None and torch.equal(activation_marks.activated_copy(mlp), copy)
+    assert activation_marks.activated_copy(qkv) is None and activation_marks.activated_copy(mlp[..., 8:]) is None
 
 
 def test_marked_storages_are_held_until_their_activation_reads_them():
     """A marked output's storage (its Python object, which carries the mark) is held until
     FusedActivation reads it, at most MAX_HELD_MARKS of them: a ComfyUI server once lost the
     mark of a storage nobody else held from Python, and the single block's GELU ran twice."""
-    pl._held_marks.clear()
+    activation_marks._held_marks.clear()
     with torch.inference_mode():
-        outs = [torch.randn(2, 3, 40) for _ in range(pl.MAX_HELD_MARKS + 2)]
+        outs = [torch.randn(2, 3, 40) for _ in range(activation_marks.MAX_HELD_MARKS + 2)]
         for out in outs:
-            pl.mark_activated(out, 16)
-        assert pl.held_marks() == pl.MAX_HELD_MARKS  # the oldest are dropped
+            activation_marks.mark_activated(out, 16)
+        assert activation_marks.held_marks() == activation_marks.MAX_HELD_MARKS  # the oldest are dropped
         last = outs[-1]
         _, mlp = torch.split(last, [16, 24], dim=-1)
-        act = pl.FusedActivation("act", torch.nn.GELU(approximate="tanh"), lambda t: pytest.fail("GELU ran twice"))
+        act = fused_activations.FusedActivation("act", torch.nn.GELU(approximate="tanh"), lambda t: pytest.fail("GELU ran twice"))
         assert act(mlp) is mlp
-        assert pl.held_marks() == pl.MAX_HELD_MARKS - 1  # read: released
+        assert activation_marks.held_marks() == activation_marks.MAX_HELD_MARKS - 1  # read: released
         other = torch.randn(2, 3, 24)
         assert torch.equal(act.__class__("act", None, lambda t: t * 2)(other), other * 2)  # unmarked: the module's
-        assert pl.held_marks() == pl.MAX_HELD_MARKS - 1
-    pl._held_marks.clear()
+        assert activation_marks.held_marks() == activation_marks.MAX_HELD_MARKS - 1
+    activation_marks._held_marks.clear()
 
 
 @pytest.mark.parametrize("copies", [False, True], ids=["no_copy", "default_copy"])
@@ -1234,7 +1238,7 @@ def test_fused_model_under_inference_mode_matches_no_grad(copies, gelu_calls):
     patch gives under no_grad (bit for bit) and the unpatched model within MODEL_TOL."""
     _method_available("fp8")
     base, x, expected = _fusable()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, copy_activations=copies)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16, copy_activations=copies)
     patched.patch_model()
     with torch.no_grad():
         patched.model.diffusion_model(x)  # the guard's call
@@ -1253,13 +1257,13 @@ def test_torch_compile_without_our_op_traces_comfyuis_linear(monkeypatch, caplog
     the reason) and compiled graphs trace ComfyUI's Linear, unpatched."""
     def refuse():
         raise ValueError("unsupported type in schema")
-    monkeypatch.setattr(pl, "_register_compiled_op", refuse)
+    monkeypatch.setattr(linear_layer, "_register_compiled_op", refuse)
     with caplog.at_level("WARNING", logger="triton_accel"):
-        error = pl._compiled_op_error()
+        error = linear_layer._compiled_op_error()
     assert error == "ValueError: unsupported type in schema" and "could not be registered" in caplog.text
-    monkeypatch.setattr(pl, "COMPILED_OP_ERROR", error)
+    monkeypatch.setattr(linear_layer, "COMPILED_OP_ERROR", error)
     base, x, expected = _fusable()
-    patched = pl.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
+    patched = linear_patch.patch_linear_model(base, FORCED["fp8"], skip="", min_tokens=16)
     patched.patch_model()
     graphs = []
     with torch.no_grad():
@@ -1274,10 +1278,10 @@ def test_calls_inside_a_cuda_graph_capture_go_to_comfyui(monkeypatch):
     """A replay would run our kernel on the prepared weight captured, not on a weight ComfyUI
     changed in place since (a LoRA re-applied): captured calls go to ComfyUI's Linear."""
     layer, calls = _layer(settings=FORCED["fp8"])
-    monkeypatch.setattr(pl.compiled_ops, "capturing", lambda t: True)
+    monkeypatch.setattr(linear_layer.compiled_ops, "capturing", lambda t: True)
     with torch.no_grad():
         layer(torch.randn(2, 64, 32))
-    assert len(calls) == 1 and _linear_stats()["reasons"] == {pl.REASON_CAPTURING: 1}
+    assert len(calls) == 1 and _linear_stats()["reasons"] == {linear_common.REASON_CAPTURING: 1}
 
 
 @pytest.mark.parametrize("change", ["none", "weight_object", "weight_in_place_new_storage", "weights_token",
@@ -1311,7 +1315,7 @@ def test_steady_calls_skip_the_checks_until_what_they_read_changes(monkeypatch, 
     elif change == "fallback":
         layer.fallbacks["cuda:0"] = "quality guard (fp8): on another device"
     elif change == "extension_generation":
-        monkeypatch.setattr(pl.extensions, "generation", lambda: -7)
+        monkeypatch.setattr(linear_layer.extensions, "generation", lambda: -7)
     elif change == "autograd":
         x = x.clone().requires_grad_(True)
     elif change == "input_dtype":

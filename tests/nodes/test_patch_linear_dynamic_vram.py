@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from triton_accel import kernels
 from triton_accel.kernels.linear.dispatch import prepare_weight_per_call
-from triton_accel.nodes import call_stats
-from triton_accel.nodes import patch_linear as pl
-from triton_accel.nodes.settings import AccelSettings
+from triton_accel.runtime import call_stats
+from triton_accel.nodes import patch_nodes
+from triton_accel.runtime import dynamic_vram, linear_common, linear_layer, linear_patch, linear_state
+from triton_accel.runtime.settings import AccelSettings
 
 TOL = 0.06
 FP8 = AccelSettings("off", linear_mode="fp8")
@@ -130,7 +131,7 @@ class Recorder:
         self.prepared = []  # (weight handed over, prepared)
         self.runs = 0
         self._run = run or kernels.linear
-        self.backend = pl.LinearBackend(kernels.prepare_weight, self.run, kernels.linear_refusal,
+        self.backend = linear_common.LinearBackend(kernels.prepare_weight, self.run, kernels.linear_refusal,
                                         kernels.LinearInputError, self.prepare_per_call)
 
     def prepare_per_call(self, weight, method, scale):
@@ -143,10 +144,10 @@ class Recorder:
         return self._run(x, prepared, bias, out_dtype)
 
 
-def _streamed_layer(module, mode=pl.DYNAMIC_VRAM_AUTO, settings=FP8, recorder=None, min_tokens=4):
+def _streamed_layer(module, mode=linear_common.DYNAMIC_VRAM_AUTO, settings=FP8, recorder=None, min_tokens=4):
     cast = FakeCast()
     recorder = recorder or Recorder()
-    state = pl.LinearPatchState(settings, pl.SkipPatterns.parse(""), min_tokens, recorder.backend,
+    state = linear_state.LinearPatchState(settings, linear_common.SkipPatterns.parse(""), min_tokens, recorder.backend,
                                 label=f"Dyn #{uuid.uuid4().hex[:8]}", dynamic_vram=mode, weight_cast=cast)
     reference_calls = []
     forward = comfy_forward(cast, module)
@@ -155,7 +156,7 @@ def _streamed_layer(module, mode=pl.DYNAMIC_VRAM_AUTO, settings=FP8, recorder=No
         reference_calls.append(args)
         return forward(*args, **kwargs)
 
-    layer = pl.LinearLayer(state, "blocks.0.qkv", module, previous)
+    layer = linear_layer.LinearLayer(state, "blocks.0.qkv", module, previous)
     state.layers.append(layer)
     return layer, cast, recorder, reference_calls
 
@@ -285,7 +286,7 @@ def test_uncast_also_when_our_kernel_raises(when):
     assert cast.uncasts == len(cast.casts) and not cast.open
     assert layer.fallbacks.get("cpu", "").startswith("kernel error: RuntimeError")
     stats = _linear_stats()
-    assert stats["reasons"] == {pl.REASON_KERNEL_ERROR: 1}, stats
+    assert stats["reasons"] == {linear_common.REASON_KERNEL_ERROR: 1}, stats
     casts = len(cast.casts)
     layer(x)  # from now on ComfyUI's Linear, without our cast
     assert len(cast.casts) == casts + 1 and len(references) == (3 if when == "later call" else 2)
@@ -314,7 +315,7 @@ def test_quality_guard_rejects_a_wrong_kernel_and_returns_comfyuis_output():
     out = layer(x)
     assert torch.allclose(out, F.linear(x, module.weight.float(), module.bias))
     assert layer.fallbacks["cpu"].startswith("quality guard (fp8_w8a8)")
-    assert _linear_stats()["reasons"] == {pl.REASON_GUARD: 1}
+    assert _linear_stats()["reasons"] == {linear_common.REASON_GUARD: 1}
     assert recorder.runs == 2, "a disagreement is checked once more on the weight the reference read"
     assert cast.uncasts == len(cast.casts)
 
@@ -390,7 +391,7 @@ def test_fp8_weight_with_weight_function_goes_back_without_a_cast():
     module.weight_function = [lambda w: w * 1.5]
     layer, cast, _, references = _streamed_layer(module)
     layer(torch.randn(32, 64))
-    assert _linear_stats()["reasons"] == {pl.REASON_WEIGHT_FUNCTION: 1}
+    assert _linear_stats()["reasons"] == {linear_common.REASON_WEIGHT_FUNCTION: 1}
     assert len(cast.casts) == len(references) == 1, "only ComfyUI's own forward casts"
 
 
@@ -398,11 +399,11 @@ def test_fp8_weight_with_weight_function_goes_back_without_a_cast():
 
 MODE_CASES = {
     # name: (mode, stored weight dtype, reason, or None when served)
-    "off, bf16 weight": (pl.DYNAMIC_VRAM_OFF, torch.bfloat16, pl.REASON_DYNAMIC_VRAM_OFF),
-    "off, fp8 weight": (pl.DYNAMIC_VRAM_OFF, torch.float8_e4m3fn, pl.REASON_DYNAMIC_VRAM_OFF),
-    "fp8 only, bf16 weight": (pl.DYNAMIC_VRAM_FP8_WEIGHTS, torch.bfloat16, pl.REASON_STREAMED_PER_CALL_OFF),
-    "fp8 only, fp8 weight": (pl.DYNAMIC_VRAM_FP8_WEIGHTS, torch.float8_e4m3fn, None),
-    "auto, bf16 weight": (pl.DYNAMIC_VRAM_AUTO, torch.bfloat16, None),
+    "off, bf16 weight": (linear_common.DYNAMIC_VRAM_OFF, torch.bfloat16, linear_common.REASON_DYNAMIC_VRAM_OFF),
+    "off, fp8 weight": (linear_common.DYNAMIC_VRAM_OFF, torch.float8_e4m3fn, linear_common.REASON_DYNAMIC_VRAM_OFF),
+    "fp8 only, bf16 weight": (linear_common.DYNAMIC_VRAM_FP8_WEIGHTS, torch.bfloat16, linear_common.REASON_STREAMED_PER_CALL_OFF),
+    "fp8 only, fp8 weight": (linear_common.DYNAMIC_VRAM_FP8_WEIGHTS, torch.float8_e4m3fn, None),
+    "auto, bf16 weight": (linear_common.DYNAMIC_VRAM_AUTO, torch.bfloat16, None),
 }
 
 
@@ -422,7 +423,7 @@ def test_dynamic_vram_choice_per_model(case):
 
 def test_unknown_dynamic_vram_choice_is_refused():
     with pytest.raises(ValueError, match="dynamic_vram"):
-        pl.LinearPatchState(FP8, pl.SkipPatterns(), dynamic_vram="sometimes")
+        linear_state.LinearPatchState(FP8, linear_common.SkipPatterns(), dynamic_vram="sometimes")
 
 
 @pytest.mark.parametrize("case", ["few-tokens", "skip-pattern", "auto-on-cpu", "extra-argument"])
@@ -444,7 +445,7 @@ def test_cheap_refusals_come_before_any_cast(case):
 
 def test_streamed_layer_on_a_cpu_input_keeps_the_old_reason():
     """ComfyUI's real cast streams only to a CUDA device: a CPU input is not the streamed route."""
-    real = pl.ComfyWeightCast()
+    real = dynamic_vram.ComfyWeightCast()
     module = StreamedLinear(64, 48)
     assert not real.streams(module, torch.randn(4, 64))
     del module._v
@@ -463,7 +464,7 @@ def test_comfy_weight_cast_calls(monkeypatch):
     for name, module in (("comfy", comfy), ("comfy.ops", ops)):
         monkeypatch.setitem(sys.modules, name, module)
     layer, x = object(), torch.randn(2, 64, dtype=torch.bfloat16)
-    cast = pl.ComfyWeightCast()
+    cast = dynamic_vram.ComfyWeightCast()
     assert cast.cast(layer, x, torch.bfloat16) == ("w", "b", "h")
     assert seen[-1] == ("cast", (layer, x), {"offloadable": True})  # forward_comfy_cast_weights' own call
     cast.cast(layer, x, torch.float8_e4m3fn)
@@ -474,19 +475,19 @@ def test_comfy_weight_cast_calls(monkeypatch):
     assert seen[-1] == ("uncast", (layer, "w", "b", "h"), {})
 
 
-@pytest.mark.parametrize("node", [pl.TritonAccelPatchLinear, pl.TritonAccelPatch])
+@pytest.mark.parametrize("node", [patch_nodes.TritonAccelPatchLinear, patch_nodes.TritonAccelPatch])
 def test_nodes_offer_the_choice_as_an_optional_input(node):
     """Optional, so API prompts and saved workflows from before keep validating (default auto)."""
     options, spec = node.INPUT_TYPES()["optional"]["dynamic_vram"]
-    assert tuple(options) == pl.DYNAMIC_VRAM_MODES and spec["default"] == pl.DYNAMIC_VRAM_AUTO
+    assert tuple(options) == linear_common.DYNAMIC_VRAM_MODES and spec["default"] == linear_common.DYNAMIC_VRAM_AUTO
     assert "dynamic_vram" not in node.INPUT_TYPES()["required"]
 
 
 @pytest.mark.parametrize("aimdo_enabled", [False, True])
 def test_node_text_names_the_choice_when_dynamic_vram_is_on(monkeypatch, aimdo_enabled):
-    state = pl.LinearPatchState(FP8, pl.SkipPatterns(), label="Dyn text", dynamic_vram=pl.DYNAMIC_VRAM_FP8_WEIGHTS)
+    state = linear_state.LinearPatchState(FP8, linear_common.SkipPatterns(), label="Dyn text", dynamic_vram=linear_common.DYNAMIC_VRAM_FP8_WEIGHTS)
     patched = types.SimpleNamespace(triton_accel_linear=state, load_device="cpu")
     monkeypatch.setitem(sys.modules, "comfy.memory_management", types.SimpleNamespace(aimdo_enabled=aimdo_enabled))
-    text = pl.patched_linear_text(patched, FP8)
-    line = f"ComfyUI's dynamic VRAM is on: {pl.DYNAMIC_VRAM_TEXT[pl.DYNAMIC_VRAM_FP8_WEIGHTS]}"
+    text = linear_patch.patched_linear_text(patched, FP8)
+    line = f"ComfyUI's dynamic VRAM is on: {linear_patch.DYNAMIC_VRAM_TEXT[linear_common.DYNAMIC_VRAM_FP8_WEIGHTS]}"
     assert (line in text) == aimdo_enabled, text

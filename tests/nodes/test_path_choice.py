@@ -263,7 +263,7 @@ def test_intel_xpu_gets_pytorch_with_a_one_line_reason(monkeypatch):
     import torch
 
     from triton_accel.kernels.core import gpu_rules, selfcheck
-    from triton_accel.nodes import device_probe
+    from triton_accel.runtime import device_probe
 
     def no_launch(device):
         raise AssertionError(f"selfcheck launched a Triton kernel on {device}")
@@ -291,7 +291,7 @@ spec = importlib.util.spec_from_file_location("triton_accel", os.path.join(root,
 pack = importlib.util.module_from_spec(spec); sys.modules["triton_accel"] = pack; spec.loader.exec_module(pack)
 from triton_accel import kernels as K
 from triton_accel.kernels.core import gpu_rules, stats
-from triton_accel.nodes import device_probe
+from triton_accel.runtime import device_probe
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, 2, 64, 32, dtype=torch.float16) for _ in range(3))
 stats.reset()

@@ -19,8 +19,10 @@ import torch
 from triton_accel.kernels.core import tuning
 from triton_accel.kernels.core.gpu_rules import PATH_TRITON_FP16 as FP16
 from triton_accel.kernels.core.gpu_rules import PATH_TRITON_FP8 as FP8
-from triton_accel.nodes import call_stats, speed_choice, status
-from triton_accel.nodes.speed_choice import ORIGINAL, SpeedChoice
+from triton_accel.runtime import attention_patch, progress
+from triton_accel.runtime import call_stats, speed_choice
+from triton_accel.nodes import status
+from triton_accel.runtime.speed_choice import ORIGINAL, SpeedChoice
 
 REF = torch.ones(2, 4, 8)
 
@@ -88,7 +90,7 @@ def test_first_call_timing_without_comfyui(tmp_path, monkeypatch):
 
 def test_speed_choice_installs_the_autotune_hook(comfy_utils):
     hook = tuning._progress_hook
-    assert isinstance(hook, speed_choice._AutotuneProgress)
+    assert isinstance(hook, progress.AutotuneProgress)
     for done in range(4):
         hook(done, 3)
     (bar,) = comfy_utils.made
@@ -99,7 +101,7 @@ def test_speed_choice_installs_the_autotune_hook(comfy_utils):
 
 def test_autotune_hook_without_comfyui(monkeypatch):
     monkeypatch.delitem(sys.modules, "comfy.utils", raising=False)
-    hook = speed_choice._AutotuneProgress()
+    hook = progress.AutotuneProgress()
     hook(0, 2)
     hook(2, 2)  # nothing to draw on, nothing raised
 
@@ -163,7 +165,7 @@ def test_patch_records_the_device_auto_measured_on(tmp_path, monkeypatch):
     """The override notes the device where auto measures, so its node shows that device's lines
     (CUDA timing faked: the CPU stands in for the GPU, fake timings decide)."""
     from triton_accel.kernels.core.gpu_rules import Decision
-    from triton_accel.nodes import patch_attention
+    from triton_accel.runtime import attention_patch as patch_attention
 
     sc = SpeedChoice(tmp_path / "speed.json", timer=lambda fn, device: (1.0, fn()))
     monkeypatch.setattr(patch_attention, "_speed", lambda: sc)
@@ -173,7 +175,7 @@ def test_patch_records_the_device_auto_measured_on(tmp_path, monkeypatch):
     settings = types.SimpleNamespace(mode="auto", decision_for=lambda device: Decision(
         FP16, "measured in the test", measure=True, candidates=(FP16,)))
     label = call_stats.new_model_label("SD15")
-    override = patch_attention.AttentionOverride(settings, label=label)
+    override = attention_patch.AttentionOverride(settings, label=label)
     q = torch.randn(1, 16, 2 * 32)
 
     def comfy_attention(q, k, v, heads, **kwargs):

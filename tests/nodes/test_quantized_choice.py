@@ -4,7 +4,7 @@ and speed_summary(), what the Settings node and the status panel show of auto's 
 
 No dtype axis in the rule tests (they decide from facts, not tensors). The guard tests feed
 float32 outputs with a stated distance from ComfyUI's: the bars under test are
-speed_choice.QUANTIZED_BAR (rel. L2 <= 0.05, worst-head cosine >= 0.998) and LOSSLESS_BAR
+guards.QUANTIZED_BAR (rel. L2 <= 0.05, worst-head cosine >= 0.998) and LOSSLESS_BAR
 (rel. L2 <= 2e-2).
 """
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 from triton_accel.kernels.core import gpu_rules
 from triton_accel.kernels.core.gpu_rules import (PATH_PYTORCH, PATH_TRITON_FP8, PATH_TRITON_FP16, PATH_TRITON_INT8,
                                             Facts, select_path)
-from triton_accel.nodes import speed_choice
-from triton_accel.nodes.patch_attention import AttentionOverride, head_slices, speed_key
-from triton_accel.nodes.settings import AccelSettings
-from triton_accel.nodes.speed_choice import ORIGINAL, SpeedChoice
+from triton_accel.runtime import guards
+from triton_accel.runtime import speed_choice
+from triton_accel.runtime.attention_patch import AttentionOverride, head_slices, speed_key
+from triton_accel.runtime.settings import AccelSettings
+from triton_accel.runtime.speed_choice import ORIGINAL, SpeedChoice
 
 ALL = gpu_rules.TRITON_PATHS
 CARDS = {
@@ -196,7 +197,7 @@ def test_slower_quantized_path_is_not_kept_even_when_it_agrees(tmp_path):
 def test_one_broken_head_fails_the_cosine_bar_the_total_would_pass(tmp_path):
     broken = _off_by(0.2, heads=[7])
     rel = ((broken - REF).norm() / REF.norm()).item()
-    assert rel < speed_choice.QUANTIZED_BAR.max_rel_l2  # the whole-output figure alone would accept it
+    assert rel < guards.QUANTIZED_BAR.max_rel_l2  # the whole-output figure alone would accept it
     assert _choose(tmp_path, {FP8: broken}, {FP8: 0.5}, groups=None)[0] == FP8
     assert _choose(tmp_path / "per-head", {FP8: broken}, {FP8: 0.5}, groups=PER_HEAD)[0] == ORIGINAL
 
@@ -206,7 +207,7 @@ def test_each_path_is_judged_by_its_own_bar(tmp_path):
     choice, _ = _choose(tmp_path, {FP16: _off_by(0.03, seed=2), FP8: _off_by(0.03, seed=3)},
                         {FP16: 0.4, FP8: 0.6}, PER_HEAD)
     assert choice == FP8
-    assert speed_choice.agreement_bar(FP16).max_rel_l2 == 2e-2
+    assert guards.agreement_bar(FP16).max_rel_l2 == 2e-2
 
 
 def test_nan_output_is_rejected(tmp_path):
@@ -218,7 +219,7 @@ def test_nan_output_is_rejected(tmp_path):
 def test_zero_heads_on_both_sides_agree():
     ref = REF.clone()
     ref[:, 3] = 0  # a fully masked head: zeros from every path
-    assert speed_choice.agreement(ref.clone(), ref, PER_HEAD)["min_cosine"] == pytest.approx(1.0, abs=1e-6)
+    assert guards.agreement(ref.clone(), ref, PER_HEAD)["min_cosine"] == pytest.approx(1.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("skip_output_reshape", [False, True])
@@ -290,7 +291,7 @@ def test_one_info_line_before_and_one_after_timing_then_silence(tmp_path, caplog
     for name, fn in cands.items():
         fn.__name__ = name
     about = {"shape_class": "b2-h40/40-q4-k4-d16-float32-none"}
-    with caplog.at_level(logging.INFO, logger="triton_accel.nodes.speed_choice"):
+    with caplog.at_level(logging.INFO, logger="triton_accel.runtime.speed_choice"):
         for _ in range(3):
             sc.choose("k", cands, torch.device("cpu"), PER_HEAD, about)
     lines = [r.getMessage() for r in caplog.records]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from triton_accel.kernels.core.gpu_rules import PATH_TRITON_FP16 as OURS
-from triton_accel.nodes.speed_choice import ORIGINAL, SpeedChoice, shape_class
+from triton_accel.runtime.speed_choice import ORIGINAL, SpeedChoice, shape_class
 
 
 def fake_timer(times):
@@ -145,18 +145,18 @@ def test_directory_in_place_of_the_cache_measures_once_and_leaves_no_temp_file(t
     assert len(_warnings_naming(caplog, cache)) == 1
 
 
-# Loads nodes/speed_choice.py with its real JsonCache, without the pack's __init__ files (no
+# Loads runtime/speed_choice.py with its real JsonCache, without the pack's __init__ files (no
 # ComfyUI, no Triton), waits for its partner, and records WRITES shape classes.
 WORKER = r"""
 import importlib, os, sys, time, types
 root, me, other, path, n = sys.argv[1:]
 for name, folder in (("triton_accel", root), ("triton_accel.kernels", os.path.join(root, "kernels")),
-                     ("triton_accel.nodes", os.path.join(root, "nodes"))):
+                     ("triton_accel.runtime", os.path.join(root, "runtime"))):
     pkg = types.ModuleType(name)
     pkg.__path__ = [folder]
     sys.modules[name] = pkg
 import torch
-speed = importlib.import_module("triton_accel.nodes.speed_choice")
+speed = importlib.import_module("triton_accel.runtime.speed_choice")
 sc = speed.SpeedChoice(path, timer=lambda fn, device: (1.0, fn()))
 candidates = {speed.ORIGINAL: lambda: torch.ones(4), "triton_fp16": lambda: torch.ones(4)}
 open(path + ".ready-" + me, "w").close()

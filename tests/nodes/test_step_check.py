@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from triton_accel.nodes import call_timing, step_check
-from triton_accel.nodes.settings import AccelSettings
+from triton_accel.runtime import call_timing, step_check
+from triton_accel.runtime.settings import AccelSettings
 
 CPU = torch.device("cpu")
 
@@ -71,7 +71,7 @@ def test_the_faster_configuration_keeps_the_step(ours_ms, comfy_ms, kept):
     assert check.kept(("sig",)) == kept and steps[5:] == [kept] * 3
     assert state.forced == (kept == "comfyui") and override.force_original == (kept == "comfyui")
     assert call_timing.step_check_of("Test #1")["kept"] == kept
-    from triton_accel.nodes import linear_choice
+    from triton_accel.runtime import linear_choice
 
     line, = linear_choice.model_lines("Test #1")  # what the model's node shows
     assert line.startswith("Whole eager step:") and line.endswith("ours kept" if kept == "ours" else "ComfyUI kept")
@@ -138,7 +138,7 @@ def test_the_check_switches_real_linear_layers(tmp_path, pack_frames):
         patched.model.diffusion_model(x, t)
     layer = choice._layer(state)
     assert layer.module.__dict__["forward"] is layer
-    from triton_accel.nodes import linear_choice
+    from triton_accel.runtime import linear_choice
 
     linear_choice.force_comfyui(state, True)
     assert layer.module.__dict__["forward"] is layer.previous and layer.forced_out

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from triton_accel.kernels.core import cache_registry
-from triton_accel.nodes import call_stats, compiled_ops, step_graph
-from triton_accel.nodes.step_graph import StepGraphs
+from triton_accel.runtime import call_stats, compiled_ops, step_graph
+from triton_accel.runtime.step_graph import StepGraphs
 
 
 class FakeGraph:
@@ -349,9 +349,9 @@ class Patcher:
 ])
 @torch.no_grad()
 def test_other_nodes_object_patches_inside_the_diffusion_model_keep_it_eager(patches, refused):
-    from triton_accel.nodes import patch_linear
+    from triton_accel.runtime import fused_activations
 
-    ours = patch_linear.FusedActivation("act", None, None)
+    ours = fused_activations.FusedActivation("act", None, None)
     model, base = Model(), Base()
     base.current_patcher = Patcher({"diffusion_model.final.forward": ours, **patches})
     graphs = StepGraphs()

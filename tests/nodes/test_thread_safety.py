@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from triton_accel import kernels
 from triton_accel.kernels.core import json_cache
-from triton_accel.nodes import call_stats, speed_choice
-from triton_accel.nodes import patch_linear as pl
-from triton_accel.nodes.patch_attention import AttentionOverride
-from triton_accel.nodes.settings import AccelSettings
-from triton_accel.nodes.speed_choice import ORIGINAL, SpeedChoice
+from triton_accel.runtime import call_stats, speed_choice
+from triton_accel.runtime import fused_activations, linear_common, linear_patch, linear_state, progress
+from triton_accel.runtime.attention_patch import AttentionOverride
+from triton_accel.runtime.settings import AccelSettings
+from triton_accel.runtime.speed_choice import ORIGINAL, SpeedChoice
 
 THREADS = 12  # threads of the tests whose calls are host code only
 KERNEL_THREADS = 8  # threads of the tests that run interpreted kernels (one grid at a time)
@@ -264,7 +264,7 @@ def test_patched_attention_and_linear_from_many_threads():
     Linear layers at once: every output equals the same call made alone, and every call is
     counted exactly once."""
     main = FakePatcher(BaseModel(0), _loader(0))
-    patched = pl.patch_linear_model(main, SETTINGS, skip="", min_tokens=4)
+    patched = linear_patch.patch_linear_model(main, SETTINGS, skip="", min_tokens=4)
     model = patched.patch_model()
     override = AttentionOverride(SETTINGS, label="Fake #1")
     gen = torch.Generator().manual_seed(0)
@@ -307,7 +307,7 @@ def test_multigpu_clone_runs_its_own_weights_in_its_own_thread():
 
     The loader gives the clone other weights (seed 1) so that running the wrong copy shows."""
     main = FakePatcher(BaseModel(0), _loader(1))
-    patched = pl.patch_linear_model(main, SETTINGS, skip="", min_tokens=4)
+    patched = linear_patch.patch_linear_model(main, SETTINGS, skip="", min_tokens=4)
     with_clones = create_multigpu_deepclones(patched, ["cpu"])
     (clone,) = with_clones.multigpu
     main_model, clone_model = with_clones.patch_model(), clone.patch_model()
@@ -363,15 +363,15 @@ def test_multigpu_clone_gets_its_own_fused_sequential():
     Linear layer: a MultiGPU clone's must be the clone's own Sequential and layer, else a traced
     clone would run the first model's weights. Eager, each copy runs its own weights."""
     main = FakePatcher(MlpModel(0), lambda: MlpModel(1))
-    patched = pl.patch_linear_model(main, SETTINGS, skip="", min_tokens=4)
+    patched = linear_patch.patch_linear_model(main, SETTINGS, skip="", min_tokens=4)
     key = "diffusion_model.ffn.forward"
-    assert isinstance(patched.object_patches[key], pl.FusedSequential)
+    assert isinstance(patched.object_patches[key], fused_activations.FusedSequential)
     with_clones = create_multigpu_deepclones(patched, ["cpu"])
     (clone,) = with_clones.multigpu
     main_model, clone_model = with_clones.patch_model(), clone.patch_model()
     clone_state = clone.triton_accel_linear
     ours, theirs = with_clones.object_patches[key], clone.object_patches[key]
-    assert isinstance(theirs, pl.FusedSequential) and theirs is not ours
+    assert isinstance(theirs, fused_activations.FusedSequential) and theirs is not ours
     assert theirs.module is clone_model.diffusion_model.ffn and ours.module is main_model.diffusion_model.ffn
     assert theirs.layer.state is clone_state and theirs.layer.module is clone_model.diffusion_model.ffn[0]
     assert theirs.previous.__self__ is theirs.module  # the clone's own Sequential.forward
@@ -395,8 +395,8 @@ def test_multigpu_clone_state_is_reused_and_released_with_its_model():
         prepared.append(weight.data_ptr())
         return kernels.prepare_weight(weight, method, scale)
 
-    backend = pl.LinearBackend(prepare, kernels.linear, kernels.linear_refusal, kernels.LinearInputError)
-    patched = pl.patch_linear_model(FakePatcher(BaseModel(0), _loader(1)), SETTINGS, skip="", min_tokens=4,
+    backend = linear_common.LinearBackend(prepare, kernels.linear, kernels.linear_refusal, kernels.LinearInputError)
+    patched = linear_patch.patch_linear_model(FakePatcher(BaseModel(0), _loader(1)), SETTINGS, skip="", min_tokens=4,
                                     backend=backend)
     first = create_multigpu_deepclones(patched, ["cpu"])
     clone_model = first.multigpu[0].patch_model()
@@ -492,7 +492,7 @@ def test_autotune_progress_bar_is_per_thread(monkeypatch):
             self.updates.append((value, total))
 
     monkeypatch.setitem(sys.modules, "comfy.utils", types.SimpleNamespace(ProgressBar=ProgressBar))
-    hook = speed_choice._AutotuneProgress()
+    hook = progress.AutotuneProgress()
     a_opened, b_opened = threading.Event(), threading.Event()
 
     def tune(i):
@@ -622,14 +622,14 @@ def test_registry_and_route_caches_under_concurrent_clears():
 
 
 def _new_linear_state():
-    return pl.LinearPatchState(SETTINGS, pl.SkipPatterns(), backend=pl.default_backend())
+    return linear_state.LinearPatchState(SETTINGS, linear_common.SkipPatterns(), backend=linear_common.default_backend())
 
 
 def _new_json_cache():
     return json_cache.JsonCache("test", "/nonexistent/x.json", 1, lambda key, entry: True)
 
 
-@pytest.mark.parametrize("make, list_them", [(_new_linear_state, pl.fallback_report),
+@pytest.mark.parametrize("make, list_them", [(_new_linear_state, linear_state.fallback_report),
                                              (_new_json_cache, json_cache.clear_memory_copies)],
                          ids=["linear_patch_states", "json_caches"])
 def test_live_sets_listed_while_filled(make, list_them):

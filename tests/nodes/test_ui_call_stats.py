@@ -1,6 +1,6 @@
 """call_stats: the original totals stay as they were; per kind and per patched model on top."""
 import pytest
-from triton_accel.nodes import call_stats
+from triton_accel.runtime import call_stats
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 from triton_accel.kernels.core import selfcheck
-from triton_accel.nodes import call_stats, routes, speed_choice, status
+from triton_accel.runtime import call_stats, speed_choice
+from triton_accel.nodes import routes, status
 
 
 def _report(findings, verdict="Triton works here: Triton FP16/BF16 attention."):
