@@ -1,5 +1,5 @@
 """TRITON_ACCEL_FUSED_NORMS in a real ComfyUI: Wan's attention blocks with the fused LayerNorm +
-modulation and q/k RMSNorm + RoPE (nodes/patch_fused_norms.py), and the QKNorms of Flux's layers,
+modulation and q/k RMSNorm + RoPE (runtime/fused_norms.py), and the QKNorms of Flux's layers,
 on the CPU under the interpreter, where ComfyUI runs the tiny models in fp32.
 
 Tolerance against the same chain without the fused norms: rel. L2 of the sampled latent

@@ -117,9 +117,12 @@ def _in_process(repo: str) -> dict:
     pack = importlib.util.module_from_spec(spec)
     sys.modules["triton_accel_it_dyn"] = pack
     spec.loader.exec_module(pack)
-    pl = sys.modules["triton_accel_it_dyn.nodes.patch_linear"]
-    call_stats = sys.modules["triton_accel_it_dyn.nodes.call_stats"]
-    settings = sys.modules["triton_accel_it_dyn.nodes.settings"].AccelSettings("off", linear_mode="fp8")
+    linear_common = sys.modules["triton_accel_it_dyn.runtime.linear_common"]
+    linear_layer = sys.modules["triton_accel_it_dyn.runtime.linear_layer"]
+    linear_state = sys.modules["triton_accel_it_dyn.runtime.linear_state"]
+    dynamic_vram = sys.modules["triton_accel_it_dyn.runtime.dynamic_vram"]
+    call_stats = sys.modules["triton_accel_it_dyn.runtime.call_stats"]
+    settings = sys.modules["triton_accel_it_dyn.runtime.settings"].AccelSettings("off", linear_mode="fp8")
     kernels = pack.kernels
     from triton_accel_it_dyn.kernels.linear.dispatch import prepare_weight_per_call
 
@@ -161,7 +164,7 @@ def _in_process(repo: str) -> dict:
     comfy.ops.cast_bias_weight = vbar_cast_on_cpu
     comfy.ops.uncast_bias_weight = counted_uncast
 
-    class CpuStreams(pl.ComfyWeightCast):
+    class CpuStreams(dynamic_vram.ComfyWeightCast):
         def streams(self, module, x):
             return hasattr(module, "_v")
 
@@ -205,14 +208,14 @@ def _run_layers(regime, pl, call_stats, settings, kernels, prepare_weight_per_ca
         seen.append((str(weight.dtype), prepared.weight.data_ptr() == weight.data_ptr()))
         return prepared
 
-    backend = pl.LinearBackend(kernels.prepare_weight, kernels.linear, kernels.linear_refusal,
+    backend = linear_common.LinearBackend(kernels.prepare_weight, kernels.linear, kernels.linear_refusal,
                                kernels.LinearInputError, prepare_per_call)
     x = torch.randn(2, 32, 64, generator=gen).to(torch.bfloat16)
     out = {}
     for name, m in layers.items():
-        state = pl.LinearPatchState(settings, pl.SkipPatterns(), 1, backend, label=f"dyn {name}",
+        state = linear_state.LinearPatchState(settings, linear_common.SkipPatterns(), 1, backend, label=f"dyn {name}",
                                     weight_cast=cast_class())
-        layer = pl.LinearLayer(state, name, m, m.forward)
+        layer = linear_layer.LinearLayer(state, name, m, m.forward)
         state.layers.append(layer)
         call_stats.reset()
         seen.clear()

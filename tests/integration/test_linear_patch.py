@@ -337,9 +337,10 @@ def _in_process(config: dict) -> dict:
     import torch
 
     pack = _load_pack(config["repo"])
-    patch_linear = sys.modules[f"{pack}.nodes.patch_linear"]
-    call_stats = sys.modules[f"{pack}.nodes.call_stats"]
-    settings = sys.modules[f"{pack}.nodes.settings"].AccelSettings("off", linear_mode="fp8")
+    patch_linear = sys.modules[f"{pack}.runtime.linear_patch"]
+    linear_layer = sys.modules[f"{pack}.runtime.linear_layer"]
+    call_stats = sys.modules[f"{pack}.runtime.call_stats"]
+    settings = sys.modules[f"{pack}.runtime.settings"].AccelSettings("off", linear_mode="fp8")
     base = comfy.sd.load_diffusion_model(config["model"])
     with_lora, _ = comfy.sd.load_lora_for_models(base, None, comfy.utils.load_torch_file(config["lora"]), 1.0, 0.0)
     gen = torch.Generator().manual_seed(0)
@@ -385,7 +386,7 @@ def _in_process(config: dict) -> dict:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 out[f"tensors_cycle_{cycle}"] = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
-    out["patched_forwards_left"] = sum(isinstance(m.__dict__.get("forward"), patch_linear.LinearLayer)
+    out["patched_forwards_left"] = sum(isinstance(m.__dict__.get("forward"), linear_layer.LinearLayer)
                                        for m in base.model.modules())
     return out
 

@@ -198,9 +198,9 @@ def _in_process(config: dict) -> dict:
 
     _one_interpreted_grid_at_a_time()
     pack = _load_pack(config["repo"])
-    patch_linear = sys.modules[f"{pack}.nodes.patch_linear"]
-    call_stats = sys.modules[f"{pack}.nodes.call_stats"]
-    settings = sys.modules[f"{pack}.nodes.settings"].AccelSettings(SETTINGS["mode"], linear_mode=SETTINGS["linear"])
+    patch_nodes = sys.modules[f"{pack}.nodes.patch_nodes"]
+    call_stats = sys.modules[f"{pack}.runtime.call_stats"]
+    settings = sys.modules[f"{pack}.runtime.settings"].AccelSettings(SETTINGS["mode"], linear_mode=SETTINGS["linear"])
 
     # Our counters, per thread (the pack's own function wrapped; nothing of ComfyUI's).
     per_thread = collections.defaultdict(collections.Counter)
@@ -214,7 +214,7 @@ def _in_process(config: dict) -> dict:
     call_stats.record = counted
 
     base = comfy.sd.load_diffusion_model(config["model"])
-    patched = patch_linear.TritonAccelPatch().patch(base, skip="auto", min_tokens=1, settings=settings)["result"][0]
+    patched = patch_nodes.TritonAccelPatch().patch(base, skip="auto", min_tokens=1, settings=settings)["result"][0]
     gen = torch.Generator().manual_seed(0)
     latent = torch.zeros(1, 16, 1, 8, 8)
     noise = torch.randn(latent.shape, generator=gen)

@@ -1,4 +1,4 @@
-"""Step graphs (nodes/step_graph.py, TRITON_ACCEL_STEP_GRAPH=1) in a real ComfyUI sampler, on the CPU.
+"""Step graphs (runtime/step_graph.py, TRITON_ACCEL_STEP_GRAPH=1) in a real ComfyUI sampler, on the CPU.
 
 The CPU server has no CUDA graphs, so a plain patched model's calls stay eager with the reason
 "not a CUDA call". TritonAccelTestStepGraph turns them on and gives the model's step graphs a CPU stand-in with a

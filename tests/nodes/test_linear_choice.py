@@ -1,4 +1,4 @@
-"""auto's measured choice per Linear layer (nodes/linear_choice.py, nodes/call_timing.py).
+"""auto's measured choice per Linear layer (runtime/linear_choice.py, runtime/call_timing.py).
 
 On the CPU nothing is timed by default (timing runs on CUDA): these tests give the state a
 LinearSpeedChoice whose timer returns set figures and which admits the CPU, and settings whose

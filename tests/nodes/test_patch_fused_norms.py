@@ -1,4 +1,4 @@
-"""nodes/patch_fused_norms.py without ComfyUI: which blocks it patches, which calls it serves,
+"""runtime/fused_norms.py (and fused_block_patch, fused_wan, fused_flux) without ComfyUI: which blocks it patches, which calls it serves,
 its first-call guard, torch.compile tracing and MultiGPU clones.
 
 The Wan classes below restate, for these tests only, the structure and math the patch relies on

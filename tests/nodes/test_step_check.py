@@ -1,4 +1,4 @@
-"""The step check (nodes/step_check.py): once auto's per-call choices are made, eager steps
+"""The step check (runtime/step_check.py): once auto's per-call choices are made, eager steps
 alternate between them and ComfyUI's own Linear and attention, and the faster keeps the step.
 
 The steps here are a stand-in executor that sleeps for a set time per configuration (read from

@@ -1,4 +1,4 @@
-"""nodes/step_graph.py: when a patched model's step is recorded, replayed, or left eager.
+"""runtime/step_graph.py: when a patched model's step is recorded, replayed, or left eager.
 
 The CPU has no CUDA graphs: FakeGraphs stands in for torch.cuda's, with a graph's contract
 (the recording reads only the static input tensors and writes the output tensors it returned

@@ -280,7 +280,7 @@ class TritonAccelTestStepGraph:
         if not cpu_stand_in:
             return (model,)
         module = next(m for name, m in list(sys.modules.items())
-                      if name.endswith(".nodes.step_graph") and hasattr(m, "StepGraphs"))
+                      if name.endswith(".runtime.step_graph") and hasattr(m, "StepGraphs"))
         graphs = module.current(model)
         if graphs is None:
             raise RuntimeError("no Triton Accel step graphs on this model")
