@@ -708,6 +708,56 @@ def test_combined_node_patches_attention_and_linear_under_one_label():
     assert base.object_patches == {} and OVERRIDE_KEY not in base.model_options["transformer_options"]
 
 
+class WrapperFakePatcher(FakePatcher):
+    """FakePatcher with ModelPatcher's wrapper table, which step graphs need."""
+
+    def __init__(self, model, backup=None):
+        super().__init__(model, backup)
+        self.wrappers = {}
+
+    def clone(self):
+        n = WrapperFakePatcher(self.model, self.object_patches_backup)
+        base = FakePatcher.clone(self)
+        n.__dict__.update({k: v for k, v in base.__dict__.items() if k != "wrappers"})
+        n.wrappers = {t: {k: list(fns) for k, fns in by_key.items()} for t, by_key in self.wrappers.items()}
+        return n
+
+    def add_wrapper_with_key(self, wrapper_type, key, fn):
+        self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(fn)
+
+    def remove_wrappers_with_key(self, wrapper_type, key):
+        self.wrappers.get(wrapper_type, {}).pop(key, None)
+
+
+@pytest.mark.parametrize("wrappers", [False, True], ids=["no-wrapper-api", "wrapper-api"])
+def test_patch_nodes_say_what_they_installed(wrappers):
+    """Each patch node's last line names what it put on the clone; the step graphs only where
+    ComfyUI has model wrappers. The combined node's clone carries one StepGraphs with the
+    Linear state, as patch_model then patch_linear_model leave it."""
+    from triton_accel.runtime import step_graph
+    from triton_accel.runtime.attention_patch import patch_model
+
+    make = WrapperFakePatcher if wrappers else FakePatcher
+    graphs = ", step graphs" if wrappers else ""
+    settings = AccelSettings("fp16", linear_mode="fp8")
+    result = patch_nodes.TritonAccelPatch().patch(make(_model()), "auto", 64, settings)
+    patched = result["result"][0]
+    assert result["ui"]["text"][0].splitlines()[-1] == f"installs: attention, Linear{graphs}"
+    linear = patch_nodes.TritonAccelPatchLinear().patch(make(_model()), "auto", 64, settings)
+    assert linear["ui"]["text"][0].splitlines()[-1] == f"installs: Linear{graphs}"
+    attention = patch_nodes.TritonAccelPatchAttention().patch(make(_model()), settings)
+    assert attention["ui"]["text"][0].splitlines()[-1] == f"installs: attention{graphs}"
+    if wrappers:
+        graph = step_graph.current(patched)
+        assert graph.linear_states == (patched.triton_accel_linear,) and graph.label == patched.triton_accel_linear.label
+        chained = linear_patch.patch_linear_model(patch_model(make(_model()), settings), settings, "auto", 64)
+        assert {t: sorted(k) for t, k in patched.wrappers.items()} == \
+            {t: sorted(k) for t, k in chained.wrappers.items()}
+        assert sorted(patched.object_patches) == sorted(chained.object_patches)
+    else:
+        assert step_graph.current(patched) is None
+
+
 def test_linear_node_without_settings_is_auto():
     result = patch_nodes.TritonAccelPatchLinear().patch(FakePatcher(_model()))
     text = result["ui"]["text"][0]
