@@ -101,6 +101,7 @@ def test_fp8_lora_is_written_back_then_used_as_fp8(result):
 def _in_process(repo: str) -> dict:
     """Runs inside ComfyUI's folder; returns what the tests check."""
     import importlib.util
+    import types
 
     sys.path.insert(0, os.getcwd())
     import comfy.cli_args
@@ -117,9 +118,13 @@ def _in_process(repo: str) -> dict:
     pack = importlib.util.module_from_spec(spec)
     sys.modules["triton_accel_it_dyn"] = pack
     spec.loader.exec_module(pack)
-    linear_common = sys.modules["triton_accel_it_dyn.runtime.linear_common"]
-    linear_layer = sys.modules["triton_accel_it_dyn.runtime.linear_layer"]
-    linear_state = sys.modules["triton_accel_it_dyn.runtime.linear_state"]
+    modules = {name: sys.modules[f"triton_accel_it_dyn.runtime.{name}"]
+               for name in ("linear_common", "linear_layer", "linear_state")}
+    # The Linear engine's names _run_layers uses, from the modules that hold them.
+    pl = types.SimpleNamespace(LinearBackend=modules["linear_common"].LinearBackend,
+                               SkipPatterns=modules["linear_common"].SkipPatterns,
+                               LinearPatchState=modules["linear_state"].LinearPatchState,
+                               LinearLayer=modules["linear_layer"].LinearLayer)
     dynamic_vram = sys.modules["triton_accel_it_dyn.runtime.dynamic_vram"]
     call_stats = sys.modules["triton_accel_it_dyn.runtime.call_stats"]
     settings = sys.modules["triton_accel_it_dyn.runtime.settings"].AccelSettings("off", linear_mode="fp8")
@@ -208,14 +213,14 @@ def _run_layers(regime, pl, call_stats, settings, kernels, prepare_weight_per_ca
         seen.append((str(weight.dtype), prepared.weight.data_ptr() == weight.data_ptr()))
         return prepared
 
-    backend = linear_common.LinearBackend(kernels.prepare_weight, kernels.linear, kernels.linear_refusal,
+    backend = pl.LinearBackend(kernels.prepare_weight, kernels.linear, kernels.linear_refusal,
                                kernels.LinearInputError, prepare_per_call)
     x = torch.randn(2, 32, 64, generator=gen).to(torch.bfloat16)
     out = {}
     for name, m in layers.items():
-        state = linear_state.LinearPatchState(settings, linear_common.SkipPatterns(), 1, backend, label=f"dyn {name}",
+        state = pl.LinearPatchState(settings, pl.SkipPatterns(), 1, backend, label=f"dyn {name}",
                                     weight_cast=cast_class())
-        layer = linear_layer.LinearLayer(state, name, m, m.forward)
+        layer = pl.LinearLayer(state, name, m, m.forward)
         state.layers.append(layer)
         call_stats.reset()
         seen.clear()
