@@ -291,7 +291,7 @@ def test_one_info_line_before_and_one_after_timing_then_silence(tmp_path, caplog
     for name, fn in cands.items():
         fn.__name__ = name
     about = {"shape_class": "b2-h40/40-q4-k4-d16-float32-none"}
-    with caplog.at_level(logging.INFO, logger="triton_accel.runtime.speed_choice"):
+    with caplog.at_level(logging.INFO, logger="triton_accel.nodes.speed_choice"):
         for _ in range(3):
             sc.choose("k", cands, torch.device("cpu"), PER_HEAD, about)
     lines = [r.getMessage() for r in caplog.records]
