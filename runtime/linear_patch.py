@@ -1,4 +1,4 @@
-"""TritonAccelPatchLinear / TritonAccelPatch: the diffusion model's Linear layers through kernels.linear.
+"""The diffusion model's Linear layers through kernels.linear (the Linear and Patch nodes).
 
 How, and why this way:
 - ComfyUI binds its Linear classes (comfy.ops.*.Linear) into the model when it loads it, and
