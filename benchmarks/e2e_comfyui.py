@@ -315,19 +315,25 @@ UNFUSED = {"ours-linear-unfused", "ours-all-unfused"}
 NOT_COPIED = {"ours-linear-nocopy", "ours-all-nocopy"}
 
 
+def pack_module(name: str, before: str):
+    """The pack's module `name` (runtime.x), or `before` (nodes.y): where it lived before the
+    runtime package, so E2E_PACK_ROOT can load an earlier release for a before/after."""
+    try:
+        return importlib.import_module(f"triton_accel_bench.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"triton_accel_bench.{before}")
+
+
 def patch_ours(base, attention_mode, linear_mode, fuse_activations=True, copy_activations=True):
     """The clone the pack's nodes would hand to the sampler for these settings."""
-    from triton_accel_bench.runtime.settings import AccelSettings
+    AccelSettings = pack_module("runtime.settings", "nodes.settings").AccelSettings
 
     settings = AccelSettings(attention_mode or "off", linear_mode=linear_mode or "off")
     patched = base
     if attention_mode is not None:
-        from triton_accel_bench.runtime.attention_patch import patch_model
-
-        patched = patch_model(patched, settings)
+        patched = pack_module("runtime.attention_patch", "nodes.patch_attention").patch_model(patched, settings)
     if linear_mode is not None:
-        from triton_accel_bench.runtime import linear_patch
-
+        linear_patch = pack_module("runtime.linear_patch", "nodes.patch_linear")
         patched = linear_patch.patch_linear_model(patched, settings, fuse_activations=fuse_activations,
                                                   copy_activations=copy_activations)
     return patched
@@ -336,7 +342,8 @@ def patch_ours(base, attention_mode, linear_mode, fuse_activations=True, copy_ac
 def fast_launch_state() -> dict:
     """Whether the kernels' direct launch is still on (a disagreement anywhere turns it off for
     the process, and every later call pays Triton's JIT launch) and how many plans it serves."""
-    dl = sys.modules.get("triton_accel_bench.kernels.core.direct_launch")
+    dl = sys.modules.get("triton_accel_bench.kernels.core.direct_launch") or \
+        sys.modules.get("triton_accel_bench.kernels.direct_launch")  # an earlier release's layout
     if dl is None:
         return {}
     return {"enabled": bool(dl.ENABLED), "verified_plans": dl.verified_count()}
@@ -488,7 +495,7 @@ def run_variant_uncompiled(name, variant, base, x, t, context, kwargs, steps, de
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from triton_accel_bench.runtime import call_stats
+    call_stats = pack_module("runtime.call_stats", "nodes.call_stats")
 
     ctx = contextlib.nullcontext()
     patcher = base
