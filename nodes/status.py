@@ -178,19 +178,15 @@ def install_health(report_path: Path | None = None) -> dict:
 
 
 def benchmark_status() -> dict:
-    """The Benchmark node's last result, if that node exists and has written one."""
-    last_result_path = getattr(benchmark_node, "last_result_path", None)
-    if last_result_path is None:
-        return {"found": False, "why": "no benchmark node in this version"}
+    """The Benchmark node's last result, if it has written one."""
     try:
-        path = Path(last_result_path())
+        path = Path(benchmark_node.last_result_path())
     except Exception as e:
         return {"found": False, "why": f"{type(e).__name__}: {e}"}
     document, why = read_json_file(path)
     if document is None:
         return {"found": False, "why": why if why != "not written yet" else "run the Triton Accel Benchmark node"}
-    chart_path = getattr(benchmark_node, "last_chart_path", None)
-    chart = Path(chart_path()) if chart_path is not None else path.with_suffix(".png")
+    chart = Path(benchmark_node.last_chart_path())
     return {"found": True, "result": document,
             "chart_url": "/triton_accel/benchmark.png" if chart.exists() else None}
 
