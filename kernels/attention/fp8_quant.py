@@ -110,7 +110,7 @@ class QuantizedQKV(NamedTuple):
 def v_key_order(n: int) -> int:
     """Where quantize_qkv(v_key_perm=True) stores key n in VT8: bits 1-2 and 3 of n's place
     inside its 32-key group swap places (n = 16 c1 + 8 c0 + 2 t + e -> 16 c1 + 4 t + 2 c0 + e),
-    the column order in which the Gluon kernel's PERM_P hands P to wgmma without shuffles."""
+    the column order in which the Gluon kernel hands P to wgmma without shuffles."""
     return (n & ~31) | (n & 16) | ((n >> 1) & 3) << 2 | ((n >> 3) & 1) << 1 | (n & 1)
 
 
@@ -423,7 +423,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     block_n must be the attention kernel's tile sizes (one scale per tile). `tuning`: keys of
     QUANT_TUNING to override (launch shapes; the result is the same but for Q_SAMPLE, QK_STRIDE and
     QK_MIN_ROWS, which choose the rows the statistics read, and V_MEAN_FIX).
-    v_key_perm stores VT8's keys in v_key_order() (the Gluon kernel's PERM_P configs); needs
+    v_key_perm stores VT8's keys in v_key_order() (the Gluon kernel's order of P's columns); needs
     block_n a multiple of 32."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]

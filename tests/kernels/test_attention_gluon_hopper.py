@@ -215,7 +215,7 @@ def test_output_follows_q_layout(monkeypatch, layout):
     quantized = SimpleNamespace(q8=torch.zeros(B * H, 64, 64), k8=torch.zeros(B * H, 128, 64), qs=torch.zeros(B * H, 64, 16),
                                 ks=torch.zeros(B * H, 128, 16), vt8=torch.zeros(B * H, 64, 128), sq=torch.zeros(B * H, 1),
                                 sk=torch.zeros(B * H, 1), sv=None, vmean=None, n_outlier=0, block_m=glu.BLOCK_M,
-                                block_n=cfg["BLOCK_N"], v_key_perm=bool(glu.loop_options(cfg)["PERM_P"]))
+                                block_n=cfg["BLOCK_N"], v_key_perm=True)
     monkeypatch.setattr(glu, "call_refusal", lambda *a, **k: None)
     monkeypatch.setattr(glu, "gluon_refusal", lambda device: None)
     monkeypatch.setattr(glu, "quantize_for_config", lambda *a, **k: quantized)
