@@ -172,6 +172,22 @@ def call_refusal(q, k, v, attn_mask=None, is_causal=False) -> str | None:
 if gluon is not None:
 
     @gluon.jit
+    def ring_barriers(STAGES: gl.constexpr):
+        # The K and V rings' mbarriers, one per slot, initialised: "full" (the TMA bytes
+        # landed) and "empty" (both consumer warpgroups read the slot: it is free once both
+        # have arrived).
+        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_full.index(i), count=1)
+            mbarrier.init(v_full.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        return k_full, k_empty, v_full, v_empty
+
+    @gluon.jit
     def _ring_slot(r, STAGES: gl.constexpr):
         # Ring position r >= 0 (tiles count up from 0): a power-of-two ring's slot is a mask,
         # not a signed remainder with its sign fix-ups.
@@ -410,18 +426,9 @@ if gluon is not None:
         _ones_smem = gl.allocate_shared_memory(ones_desc.dtype, ones_desc.block_type.shape, ones_desc.layout)
         q_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_full.index(0), count=1)
         mbarrier.init(q_empty.index(0), count=2)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_full.index(i), count=1)
-            mbarrier.init(v_full.index(i), count=1)
-            # Both consumer warpgroups read every slot: it is free once both have arrived.
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
+        k_full, k_empty, v_full, v_empty = ring_barriers(STAGES)
         fence_async_shared()
 
         gl.warp_specialize([

@@ -41,6 +41,7 @@ if gluon is not None:  # the names below exist only where Gluon's Hopper API imp
         TensorDescriptor,
         fence_async_shared,
         mbarrier,
+        ring_barriers,
         tma_load,
         warpgroup_mma,
         warpgroup_mma_wait,
@@ -266,17 +267,8 @@ if gluon is not None:
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_full.index(i), count=1)
-            mbarrier.init(v_full.index(i), count=1)
-            # Both consumer warpgroups read every slot: it is free once both have arrived.
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
+        k_full, k_empty, v_full, v_empty = ring_barriers(STAGES)
         fence_async_shared()
 
         o_base = off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
