@@ -25,9 +25,6 @@ nothing is downloaded), patches them the way the nodes do, and times `BaseModel.
   ours-linear-nocopy / ours-all-nocopy  ours-linear / ours-all with Flux's single-block GELU
                left to ComfyUI (patch_linear_model copy_activations=False; the default fuses it
                through the GEMM's contiguous copy)
-  <variant>+lean, +lean_rowsum, +lean_poly12, +lean_poly25, +lean_merged, +pv_behind, +pingpong, +persistent, +pvsplit2, +pvsplit4  that variant with TRITON_ACCEL_GLUON_VARIANT set so
-               while it runs (the Gluon attention kernels' compile-checked loop variants;
-               docs/settings.md), e.g. ours-all+lean or ours-all+lean_rowsum+compile
   <variant>+norms, <variant>+qk, <variant>+blocks, <variant>+nonorms  that variant with
                TRITON_ACCEL_FUSED_NORMS=all (Wan blocks, Flux-layer QKNorms and blocks), =qk
                (Wan blocks and Flux-layer QKNorms: session 32's default), =blocks (Wan blocks
@@ -352,17 +349,6 @@ def fast_launch_state() -> dict:
 COMPILED_SUFFIX = "+compile"
 
 
-def _env_settings_module():
-    # kernels/core/env_settings.py is stdlib-only (install.py loads it the same way): its list of
-    # variants is read before the pack is loaded, which happens only inside a variant's run.
-    spec = importlib.util.spec_from_file_location("triton_accel_e2e_env_settings", ROOT / "kernels" / "core" / "env_settings.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# +<name>: TRITON_ACCEL_GLUON_VARIANT=<name>, for every variant but "default"
-GLUON_VARIANT_SUFFIXES = tuple(v for v in _env_settings_module().GLUON_VARIANTS if v != "default")
 # +norms / +blocks / +nonorms: TRITON_ACCEL_FUSED_NORMS=all / blocks / off (unset otherwise: the pack's default)
 NORMS_SUFFIXES = {"norms": "all", "nonorms": "off", "blocks": "blocks", "qk": "qk"}
 # +graph: TRITON_ACCEL_STEP_GRAPH=1 (step graphs on, the default); +nograph: 0 (every step eager).
@@ -430,17 +416,16 @@ def compile_like_the_node(patcher):
     return TorchCompileModel.execute(patcher, "inductor").result[0]
 
 
-def split_variant(variant: str) -> tuple[str, str | None, bool]:
-    """(the variant without suffixes, its Gluon loop variant or None, whether +compile)."""
+def split_variant(variant: str) -> tuple[str, bool]:
+    """(the variant without suffixes, whether +compile)."""
     parts = variant.split("+")
-    gluon = next((p for p in parts[1:] if p in GLUON_VARIANT_SUFFIXES), None)
-    rest = [p for p in parts[1:] if p not in GLUON_VARIANT_SUFFIXES and p != "compile" and p not in NORMS_SUFFIXES
+    rest = [p for p in parts[1:] if p != "compile" and p not in NORMS_SUFFIXES
             and p not in GRAPH_SUFFIXES and p not in ROPE_SUFFIXES and p not in SPLIT_SUFFIXES]
-    return "+".join([parts[0], *rest]), gluon, "compile" in parts[1:]
+    return "+".join([parts[0], *rest]), "compile" in parts[1:]
 
 
 def base_variant(variant: str) -> str:
-    """The variant without its Gluon-variant and +compile suffixes."""
+    """The variant without its suffixes."""
     return split_variant(variant)[0]
 
 
@@ -460,11 +445,6 @@ def env_setting(name: str, value: str | None):
             os.environ[name] = before
 
 
-def gluon_variant(value: str | None):
-    """TRITON_ACCEL_GLUON_VARIANT (read per call)."""
-    return env_setting("TRITON_ACCEL_GLUON_VARIANT", value)
-
-
 def fused_norms(value: str | None):
     """TRITON_ACCEL_FUSED_NORMS (read at patch time)."""
     return env_setting("TRITON_ACCEL_FUSED_NORMS", value)
@@ -476,12 +456,12 @@ def step_graph_setting(value: str | None):
 
 
 def run_variant(name, variant, base, x, t, context, kwargs, steps, device, ref, dynamic_vram=False):
-    base_name, gluon, compiled = split_variant(variant)
+    base_name, compiled = split_variant(variant)
     norms = next((NORMS_SUFFIXES[p] for p in variant.split("+")[1:] if p in NORMS_SUFFIXES), None)
     graph = next((GRAPH_SUFFIXES[p] for p in variant.split("+")[1:] if p in GRAPH_SUFFIXES), None)
     rope = next((ROPE_SUFFIXES[p] for p in variant.split("+")[1:] if p in ROPE_SUFFIXES), None)
     split = next((SPLIT_SUFFIXES[p] for p in variant.split("+")[1:] if p in SPLIT_SUFFIXES), None)
-    with gluon_variant(gluon), fused_norms(norms), step_graph_setting(graph), \
+    with fused_norms(norms), step_graph_setting(graph), \
             env_setting("TRITON_ACCEL_FUSED_ROPE", rope), env_setting("TRITON_ACCEL_SPLIT_TAIL", split):
         row = run_variant_uncompiled(name, base_name, base, x, t, context, kwargs, steps, device, ref,
                                      dynamic_vram, compiled=compiled, tag=variant)

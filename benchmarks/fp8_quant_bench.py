@@ -42,7 +42,7 @@ S37_TUNING = dict(QK_STRIDE=1, STATS_ROWS=512, QUANT_WARPS=8)
 # session 41: V's mean without its rounding correction (V_MEAN_FIX=0) beside the default (since
 # session 42 the correction is the "fix" kernel alone: the quantising kernel is the same either way).
 SWEEP = [dict(), dict(V_MEAN_FIX=0), S37_TUNING]
-STAGES = (("stats", "_fp8_stats_kernel"), ("finalize", "_fp8_finalize_kernel"), ("quant", "_fp8_quant_kernel"),
+STAGES = (("stats", "fp8_stats_kernel"), ("finalize", "_fp8_finalize_kernel"), ("quant", "_fp8_quant_kernel"),
           ("fix", "_v_mean_fix_kernel"))
 
 

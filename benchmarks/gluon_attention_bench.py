@@ -2,9 +2,8 @@
 (kernels/attention/gluon_hopper.py) and BF16/FP16 (kernels/attention/gluon_hopper_bf16.py).
 
     python benchmarks/gluon_attention_bench.py [--out DIR] [--shapes flux,wan,hunyuan,sd3]
-                                                [--configs sm90,sm90_two_level] [--rep MS]
-                                                [--bf16-shapes flux,wan,hunyuan,hd256,gqa]
-                                                [--bf16-configs NAME,...] [--lite]
+                                                [--configs sm90_lean,sm90_lean@n0] [--rep MS]
+                                                [--bf16-shapes flux,wan,hunyuan,hd256,gqa] [--lite]
 
 1. the installed Triton's Gluon facts (version, what gluon_refusal says, warp_specialize's
    parameters, the TMA copy's name);
@@ -18,8 +17,7 @@
    GQA, head dims 40/64/128/256, a [B, L, H, D]-permuted layout) beside SDPA cuDNN's, then
    do_bench (eager and CUDA-graph) against SDPA cuDNN / flash and our plain-Triton kernel at
    Flux, Wan, HunyuanVideo, head dim 256 (1,12,4096,256) and GQA 32/8 (1,32,4608,128).
---bf16-configs adds GLUON_BF16_CONFIGS entries beside the default BF16 config (accuracy and
-speed, at the head dims they are made for); --lite times every FP8 config with and without its
+--lite times every FP8 config with and without its
 quantisation (eager and graph-replayed) but leaves host time, the profiler breakdown,
 attention_fp8_full and our plain BF16 row to the first config (a sweep of candidate configs in one
 short device call). A --configs name may end in "@n<N>": that config with N outlier channels
@@ -236,13 +234,7 @@ def _sdpa_gqa(q, k, v, backend):
                 q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
 
 
-def bf16_extra_configs(head_dim, names):
-    """The named GLUON_BF16_CONFIGS (--bf16-configs) made for this head dim's block."""
-    prefix = f"sm90_d{glb.block_head_dim(head_dim)}_"
-    return {n: glb.GLUON_BF16_CONFIGS[n] for n in names if n.startswith(prefix)}
-
-
-def bf16_accuracy(extra=()):
+def bf16_accuracy():
     from torch.nn.attention import SDPBackend
     rows = {}
     for case in BF16_SMALL:
@@ -253,11 +245,6 @@ def bf16_accuracy(extra=()):
             try:
                 o = glb.attention_gluon_bf16(q, k, v)
                 rows[name] = dict(gluon=metrics(o, ref), layout_kept=o.stride() == q.stride(), cudnn=None)
-                for cname, cfg in bf16_extra_configs(case[4], extra).items():
-                    try:
-                        rows[name][cname] = metrics(glb.attention_gluon_bf16(q, k, v, config=cfg), ref)
-                    except Exception as e:
-                        rows[name][cname] = dict(error=f"{type(e).__name__}: {e}"[:300])
             except Exception as e:
                 rows[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
                 continue
@@ -268,18 +255,16 @@ def bf16_accuracy(extra=()):
     return rows
 
 
-def bf16_speed(name, rep, extra=()):
+def bf16_speed(name, rep):
     from torch.nn.attention import SDPBackend
     B, H, L, D, Hk = BF16_SHAPES[name]
     q, k, v = bf16_inputs(B, H, L, L, D, Hk, "bhld", torch.bfloat16, seed=1)
     ref = bf16_reference(q[:, :2], k[:, :max(1, 2 * Hk // H)], v[:, :max(1, 2 * Hk // H)])
     acc = {}
-    calls = {f"gluon_bf16_{c}": (lambda cfg: lambda: glb.attention_gluon_bf16(q, k, v, config=cfg))(cfg)
-             for c, cfg in bf16_extra_configs(D, extra).items()}
-    calls.update({"gluon_bf16": lambda: glb.attention_gluon_bf16(q, k, v),
+    calls = {"gluon_bf16": lambda: glb.attention_gluon_bf16(q, k, v),
              "ours_bf16": lambda: attn.attention(q, k, v, backend="triton"),
              "cudnn": lambda: _sdpa_gqa(q, k, v, SDPBackend.CUDNN_ATTENTION),
-             "flash": lambda: _sdpa_gqa(q, k, v, SDPBackend.FLASH_ATTENTION)})
+             "flash": lambda: _sdpa_gqa(q, k, v, SDPBackend.FLASH_ATTENTION)}
     ms = {}
     for n, fn in calls.items():
         try:
@@ -329,10 +314,8 @@ def main():
     ap.add_argument("--acc-heads", type=int, default=2)
     ap.add_argument("--bf16-shapes", default="flux,wan,hunyuan,hd256,gqa")
     ap.add_argument("--small", type=int, default=1, help="0: skip the FP8 small-shape accuracy cases")
-    ap.add_argument("--bf16-configs", default="", help="extra GLUON_BF16_CONFIGS names, measured beside the default")
     ap.add_argument("--lite", action="store_true", help="graph/host/profile for the first FP8 config only")
     args = ap.parse_args()
-    extra = [c for c in args.bf16_configs.split(",") if c]
     configs = [c for c in args.configs.split(",") if c]
     t0 = time.time()
     result = dict(facts=gluon_facts(), accuracy={}, speed={}, bf16_accuracy={}, bf16_speed={})
@@ -350,10 +333,10 @@ def main():
         torch.cuda.empty_cache()
     bf16_names = [s for s in args.bf16_shapes.split(",") if s]
     if bf16_names:
-        result["bf16_accuracy"] = bf16_accuracy(extra)
+        result["bf16_accuracy"] = bf16_accuracy()
         print("bf16 accuracy", json.dumps(result["bf16_accuracy"]), flush=True)
     for name in bf16_names:
-        result["bf16_speed"][name] = bf16_speed(name, args.rep, extra)
+        result["bf16_speed"][name] = bf16_speed(name, args.rep)
         print("bf16", name, f"{time.time() - t0:.0f}s", json.dumps(result["bf16_speed"][name]), flush=True)
         save(result, args.out)
         torch.cuda.empty_cache()

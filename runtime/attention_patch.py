@@ -20,7 +20,7 @@ import torch
 
 from .. import __version__ as PACK_VERSION
 from .. import kernels
-from ..kernels.core import env_settings, extensions
+from ..kernels.core import extensions
 from . import call_stats, call_timing, compiled_ops, fused_norms, step_graph
 from .device_probe import probe
 from ..kernels.core.gpu_rules import BACKEND_OF_PATH, LOSSY_PATHS, PATH_PYTORCH
@@ -136,14 +136,10 @@ def adapt_call(args: tuple, kwargs: dict) -> dict:
 
 def speed_key(facts, usable, cls: str, mode: str = call_timing.MODE_EAGER) -> str:
     """auto's speed-cache key: GPU | arch | torch | Triton | pack | candidate paths | step mode |
-    shape class, with the Gluon loop variant before the shape class when
-    TRITON_ACCEL_GLUON_VARIANT is not the default (a benchmark's variant is timed apart and never
-    reused by the default). The step mode: an eager step's call costs host and GPU time, a
-    replayed step graph's only GPU time (call_timing)."""
-    variant = env_settings.gluon_variant()
+    shape class. The step mode: an eager step's call costs host and GPU time, a replayed step
+    graph's only GPU time (call_timing)."""
     return "|".join([facts.name, facts.arch, f"torch {facts.torch_version}", f"triton {facts.triton_version}",
-                     f"pack {PACK_VERSION}", "+".join(usable), mode]
-                    + ([f"gluon {variant}"] if variant != "default" else []) + [cls])
+                     f"pack {PACK_VERSION}", "+".join(usable), mode, cls])
 
 
 _PLAIN = (int, float, bool, str, type(None))

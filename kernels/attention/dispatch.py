@@ -273,6 +273,12 @@ for _name, _cache in (("routes", _routes), ("short_kv_refusals", _short_kv_refus
     cache_registry.register(f"kernels.attention.{_name}", _cache.clear)
 
 
+def forget_decisions() -> None:
+    """Forget the remembered per-call decisions (an extension was replaced or removed: they
+    hold its old constraints)."""
+    _decisions.clear()
+
+
 def clear_caches() -> None:
     """Forget every remembered decision, route, config and launch plan of the pack (after
     changing env vars or the registry): every module-level cache registers with cache_registry."""

@@ -23,12 +23,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # the registry reports why; importing the pack must still work
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import cache_registry, direct_launch
 from ..core import device as _device

@@ -29,28 +29,20 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # the registry reports why; importing the pack must still work
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import device as _device
 from .checks import half_precision_refusal
 from .fp8_quant import FP8_MAX, LOG2E, N_OUTLIER, padded_head_dim, quantize_qkv
 from .ref import attention_ref
 from ..core.gpu_rules import min_capability_for
-from ..core.kernel_common import LAUNCH_OPTIONS, fp8_device_refusal
+from ..core.kernel_common import LAUNCH_OPTIONS, LOG2_P_SCALE, fp8_device_refusal
 
 if triton is not None:
-    from .fp8_quant import _to_e4m3
+    from .fp8_quant import cast_e4m3
 
 log = logging.getLogger("triton_accel.kernels.attention.fp8_full")  # not __name__: the clone's folder name
 
-# log2(448) rounded down: exp2(S - m + LOG2_P_SCALE) stays <= 448 (e4m3's largest finite)
-# whatever the last bit of exp2 does.
-LOG2_P_SCALE = 8.8073
 MAX_HEAD_DIM = 128  # 128x128 fp32 accumulators: two of them (two-level P.V) fill the registers
 
 # Per arch: BLOCK_M, BLOCK_N (also the quantisation block sizes), num_warps, num_stages,
@@ -94,11 +86,11 @@ if triton is not None:
         if BOUNDARY:
             s = tl.where(cols[None, :] < LK, s, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(s, 1) * c)
-        p = tl.math.exp2(s * c - (m_ij - 8.8073)[:, None])  # in [0, 448]: LOG2_P_SCALE
+        p = tl.math.exp2(s * c - (m_ij - LOG2_P_SCALE)[:, None])  # in [0, 448]
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(VT8 + offs_d[:, None] * LK_PAD + cols[None, :])
-        p8 = _to_e4m3(p, EXACT_CAST)
+        p8 = cast_e4m3(p, EXACT_CAST)
         if TWO_LEVEL:
             acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt))
         else:
@@ -158,7 +150,7 @@ if triton is not None:
         if RETURN_LSE:
             # log2 units with p scaled by 2**LOG2_P_SCALE, so log2(l) carries that shift. The
             # scores are those of K minus its mean: the launcher adds scale * q.mean_k back.
-            lse2 = m_i + tl.math.log2(l_i) - 8.8073
+            lse2 = m_i + tl.math.log2(l_i) - LOG2_P_SCALE
             tl.store(LSE + bh64 * LQ + offs_m, lse2 * 0.6931471805599453, mask=offs_m < LQ)
 
 

@@ -1,7 +1,7 @@
 """Quantisation of Q, K and V for the full-FP8 attention kernel (attention_fp8_full.py).
 
 Four launches, all memory-bound (the fourth reads the stored V again, a quarter of V's bf16 bytes):
-1. `_fp8_stats_kernel`, one program per (chunk of rows, batch*head): per-channel partial
+1. `fp8_stats_kernel`, one program per (chunk of rows, batch*head): per-channel partial
    statistics of the sequence: max|q|, sum/min/max of k and of v. A mean over the whole
    sequence cannot be had inside the quantising pass without a grid-wide barrier, so this
    small first pass (plus 2.) is the price of K and V smoothing and of choosing the outlier
@@ -37,12 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # importing the pack must work without Triton; callers check first
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core.kernel_common import LAUNCH_OPTIONS, LOG2E, cdiv  # noqa: E402  (one constant for every kernel)
 
@@ -110,7 +105,7 @@ class QuantizedQKV(NamedTuple):
 def v_key_order(n: int) -> int:
     """Where quantize_qkv(v_key_perm=True) stores key n in VT8: bits 1-2 and 3 of n's place
     inside its 32-key group swap places (n = 16 c1 + 8 c0 + 2 t + e -> 16 c1 + 4 t + 2 c0 + e),
-    the column order in which the Gluon kernel's PERM_P hands P to wgmma without shuffles."""
+    the column order in which the Gluon kernel hands P to wgmma without shuffles."""
     return (n & ~31) | (n & 16) | ((n >> 1) & 3) << 2 | ((n >> 3) & 1) << 1 | (n & 1)
 
 
@@ -132,7 +127,7 @@ if triton is not None:
         return ((y / step + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: round half to even
 
     @triton.jit
-    def _to_e4m3(y, EXACT_CAST: tl.constexpr):
+    def cast_e4m3(y, EXACT_CAST: tl.constexpr):
         if EXACT_CAST:
             y = _round_e4m3_grid(y)
         return y.to(tl.float8e4nv)
@@ -166,7 +161,7 @@ if triton is not None:
         return c_sum, c_min, c_max
 
     @triton.jit
-    def _fp8_stats_kernel(
+    def fp8_stats_kernel(
         Q, K, V, PART,
         stride_qb, stride_qh, stride_ql, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
@@ -259,7 +254,7 @@ if triton is not None:
                 imp = tl.where(cols == j, float("-inf"), imp)
 
     @triton.jit
-    def _quant_rows(
+    def quant_rows(
         X, stride_l, stride_d, rows, cols, L, HEAD_DIM: tl.constexpr, MEAN, scale_mul,
     ):
         inside = (rows[:, None] < L) & (cols[None, :] < HEAD_DIM)
@@ -283,8 +278,8 @@ if triton is not None:
             x = x - tl.load(MEAN_PTR + idx)[None, :]
         x = tl.where(inside, x * scale_mul * inv_s, 0.0)
         x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-        hi = _to_e4m3(x, EXACT_CAST)
-        lo = _to_e4m3(x - hi.to(tl.float32), EXACT_CAST)
+        hi = cast_e4m3(x, EXACT_CAST)
+        lo = cast_e4m3(x - hi.to(tl.float32), EXACT_CAST)
         return hi, lo
 
     @triton.jit
@@ -349,11 +344,11 @@ if triton is not None:
         if (role == 0) & (i < NQB):
             rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
             Xq = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
-            x = _quant_rows(Xq, stride_ql, stride_qd, rows, cols, LQ, HEAD_DIM, 0.0, q_scale_mul)
+            x = quant_rows(Xq, stride_ql, stride_qd, rows, cols, LQ, HEAD_DIM, 0.0, q_scale_mul)
             s = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-30) / 448.0
             y = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
             base = bh.to(tl.int64) * LQ_PAD
-            tl.store(Q8 + (base + rows[:, None]) * BLOCK_D + cols[None, :], _to_e4m3(y, EXACT_CAST))
+            tl.store(Q8 + (base + rows[:, None]) * BLOCK_D + cols[None, :], cast_e4m3(y, EXACT_CAST))
             tl.store(SQ + bh.to(tl.int64) * NQB + i, s)
             if N_OUT > 0:
                 side = tl.arange(0, N_OUT)
@@ -367,11 +362,11 @@ if triton is not None:
             rows = i * BLOCK_N + tl.arange(0, BLOCK_N)
             Xk = K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
             k_mean = tl.load(KMEAN + bh * BLOCK_D + cols)
-            x = _quant_rows(Xk, stride_kl, stride_kd, rows, cols, LK, HEAD_DIM, k_mean[None, :], 1.0)
+            x = quant_rows(Xk, stride_kl, stride_kd, rows, cols, LK, HEAD_DIM, k_mean[None, :], 1.0)
             s = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-30) / 448.0
             y = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
             base = bh.to(tl.int64) * LK_PAD
-            tl.store(K8 + (base + rows[:, None]) * BLOCK_D + cols[None, :], _to_e4m3(y, EXACT_CAST))
+            tl.store(K8 + (base + rows[:, None]) * BLOCK_D + cols[None, :], cast_e4m3(y, EXACT_CAST))
             tl.store(SK + bh.to(tl.int64) * NKB + i, s)
             if N_OUT > 0:
                 side = tl.arange(0, N_OUT)
@@ -394,14 +389,14 @@ if triton is not None:
                 # affine in the key, and the store falls apart into single bytes (session 30 on
                 # the H100: Wan's quantisation took 16 % of the attention time, 3 % without).
                 src = (rows & -32) | (rows & 16) | ((rows >> 1) & 1) << 3 | ((rows >> 2) & 3) << 1 | (rows & 1)
-            x = _quant_rows(Xv, stride_vl, stride_vd, src, cols, LK, HEAD_DIM, v_mean[None, :], 1.0)
+            x = quant_rows(Xv, stride_vl, stride_vd, src, cols, LK, HEAD_DIM, v_mean[None, :], 1.0)
             y = tl.minimum(tl.maximum(x * inv_sv[None, :], -448.0), 448.0)
             # Stored [D, L]: keys contiguous, the K-major layout P.V's fp8 MMA needs.
             tl.store(VT8 + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :],
-                     tl.trans(_to_e4m3(y, EXACT_CAST)))
+                     tl.trans(cast_e4m3(y, EXACT_CAST)))
 
 
-def _carve(buffer: torch.Tensor, shapes):
+def carve(buffer: torch.Tensor, shapes):
     """Views of consecutive pieces of one flat buffer (one allocation instead of several: at
     Flux's size the caching allocator's calls are a visible part of the quantisation's time).
     A piece is 16-byte aligned when the pieces before it are multiples of 16 bytes."""
@@ -423,7 +418,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     block_n must be the attention kernel's tile sizes (one scale per tile). `tuning`: keys of
     QUANT_TUNING to override (launch shapes; the result is the same but for Q_SAMPLE, QK_STRIDE and
     QK_MIN_ROWS, which choose the rows the statistics read, and V_MEAN_FIX).
-    v_key_perm stores VT8's keys in v_key_order() (the Gluon kernel's PERM_P configs); needs
+    v_key_perm stores VT8's keys in v_key_order() (the Gluon kernel's order of P's columns); needs
     block_n a multiple of 32."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
@@ -447,16 +442,16 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     w = max(2 * n, 16)  # side operand width; 16 bytes when unused, keeping the pieces aligned
     dev = q.device
     # The block scales go last: only they may end up off 16-byte alignment (read as scalars).
-    part, k_mean, v_mean, v_mean_fix, sv, sq, sk = _carve(
+    part, k_mean, v_mean, v_mean_fix, sv, sq, sk = carve(
         torch.empty(7 * bh * nch * block_d + 4 * bh * block_d + bh * (nqb + nkb), device=dev, dtype=torch.float32),
         [(7, bh, nch, block_d), (bh, block_d), (bh, block_d), (bh, block_d), (bh, block_d), (bh, nqb), (bh, nkb)])
-    q8, k8, vt8, qs, ks = _carve(
+    q8, k8, vt8, qs, ks = carve(
         torch.empty(bh * (lq_pad * block_d + 2 * lk_pad * block_d + (lq_pad + lk_pad) * w),
                     device=dev, dtype=torch.float8_e4m3fn),
         [(bh, lq_pad, block_d), (bh, lk_pad, block_d), (bh, block_d, lk_pad), (bh, lq_pad, w), (bh, lk_pad, w)])
     idx = torch.empty(bh, max(n, 1), device=dev, dtype=torch.int32)
 
-    _fp8_stats_kernel[(nch, bh, 3 if n else 2)](
+    fp8_stats_kernel[(nch, bh, 3 if n else 2)](
         q, k, v, part, *q.stride(), *k.stride(), *v.stride(), H, Lq, Lk, nch, bh,
         HEAD_DIM=D, BLOCK_D=block_d, ROWS=rows, SUB=sub, NEED_Q=n > 0, Q_SAMPLE=int(tune["Q_SAMPLE"]),
         STAGES=int(tune["STATS_STAGES"]), QK_STRIDE=stride, num_warps=int(tune["STATS_WARPS"]), **LAUNCH_OPTIONS)
@@ -485,7 +480,7 @@ def v_mean_fix_launch(vt8: torch.Tensor, v_mean: torch.Tensor, unit: torch.Tenso
         KEYS=V_FIX_KEYS, num_warps=4, **LAUNCH_OPTIONS)
 
 
-def _signature(names, types, constexprs, aligned):
+def quant_signature(names, types, constexprs, aligned):
     sig = {n: types.get(n, "i32") for n in names}
     for n in constexprs:
         sig[n] = "constexpr"
@@ -510,13 +505,13 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
                  Q_SAMPLE=QUANT_TUNING["Q_SAMPLE"], STAGES=QUANT_TUNING["STATS_STAGES"],
                  QK_STRIDE=QUANT_TUNING["QK_STRIDE"])
     names = ["Q", "K", "V", "PART", *strides, "H", "LQ", "LK", "NCH", "BH", *const]
-    sig, attrs = _signature(names, dict(Q=ptr, K=ptr, V=ptr, PART="*fp32"), const,
+    sig, attrs = quant_signature(names, dict(Q=ptr, K=ptr, V=ptr, PART="*fp32"), const,
                             ["Q", "K", "V", "PART", *aligned_strides])
-    stats = ("_fp8_stats_kernel", _fp8_stats_kernel, sig, const, attrs, QUANT_TUNING["STATS_WARPS"])
+    stats = ("fp8_stats_kernel", fp8_stats_kernel, sig, const, attrs, QUANT_TUNING["STATS_WARPS"])
 
     const = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, N_OUT=n_outlier, CH=16)
     names = ["PART", "KMEAN", "VMEAN", "SV", "IDX", "LK", "K_ROWS", "NCH", "BH", *const]
-    sig, attrs = _signature(names, dict(PART="*fp32", KMEAN="*fp32", VMEAN="*fp32", SV="*fp32", IDX="*i32"),
+    sig, attrs = quant_signature(names, dict(PART="*fp32", KMEAN="*fp32", VMEAN="*fp32", SV="*fp32", IDX="*i32"),
                             const, ["PART", "KMEAN", "VMEAN", "SV", "IDX"])
     finalize = ("_fp8_finalize_kernel", _fp8_finalize_kernel, sig, const, attrs, 4)
 
@@ -528,7 +523,7 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, n_outli
              "q_scale_mul", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", *const]
     types = dict(Q=ptr, K=ptr, V=ptr, IDX="*i32", q_scale_mul="fp32", **{n: "*fp8e4nv" for n in fp8},
                  **{n: "*fp32" for n in f32})
-    sig, attrs = _signature(names, types, const, ["Q", "K", "V", "IDX", *fp8, *f32, *aligned_strides,
+    sig, attrs = quant_signature(names, types, const, ["Q", "K", "V", "IDX", *fp8, *f32, *aligned_strides,
                                                   "LQ_PAD", "LK_PAD"])
     warps = QUANT_TUNING["QUANT_WARPS"] or (8 if max(block_m, block_n) * block_d >= 16384 else 4)
     return [stats, finalize, ("_fp8_quant_kernel", _fp8_quant_kernel, sig, const, attrs, warps), v_mean_fix_spec(block_d)]
@@ -538,7 +533,7 @@ def v_mean_fix_spec(block_d: int):
     """_v_mean_fix_kernel's (name, kernel, signature, constexprs, attrs, num_warps) entry."""
     const = dict(BLOCK_D=block_d, CHANNELS=V_FIX_CHANNELS, KEYS=V_FIX_KEYS)
     f32 = ["VMEAN", "UNIT", "VMEAN_FIX"]
-    sig, attrs = _signature(["VT8", *f32, "unit_mul", "LK", "LK_PAD", *const],
+    sig, attrs = quant_signature(["VT8", *f32, "unit_mul", "LK", "LK_PAD", *const],
                             dict({n: "*fp32" for n in f32}, VT8="*fp8e4nv", unit_mul="fp32"), const,
                             ["VT8", *f32, "LK_PAD"])
     return ("_v_mean_fix_kernel", _v_mean_fix_kernel, sig, const, attrs, 4)

@@ -24,7 +24,6 @@ import math
 
 import torch
 
-from ..core import env_settings
 from .checks import half_precision_refusal
 from ..core.kernel_common import LAUNCH_OPTIONS, LOG2E
 from .gluon_hopper import (
@@ -40,9 +39,10 @@ from .gluon_hopper import (
 if gluon is not None:  # the names below exist only where Gluon's Hopper API imported
     from .gluon_hopper import (
         TensorDescriptor,
-        _tma_load,
         fence_async_shared,
         mbarrier,
+        ring_barriers,
+        tma_load,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
@@ -58,27 +58,12 @@ MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension, which runs ov
 # thread at BLOCK_D 128 / BLOCK_N 128: O 64 + S 64 + next S 64 + P 32 fp32 registers; at
 # BLOCK_D 256 the O accumulator alone is 128, so the key tile halves (S and next S 32 each).
 # Shared memory: Q 2x64xBLOCK_D, K and V rings STAGES x BLOCK_N x BLOCK_D (bf16): 160 KB at
-# d128, 192 KB at d256 (sm_90 allows 227 KB). d64 and d256 compile without spills; only the
-# d128 and d256 configs were timed. Measured on the H200 (Triton 3.6, 2026-12-02, two runs,
-# benchmarks/RESULTS.md), bf16, do_bench median TFLOP/s and
-# ratio to SDPA-cuDNN in the same run: Flux (1,24,4608,128) 568 / 565 (0.96x / 0.95x), Wan
-# (1,40,32760,128) 624 / 609 (1.14x / 1.17x), HunyuanVideo (1,24,33390,128) 602 / 590 (1.07x /
-# 1.05x), head dim 256 (1,12,4096,256) 637 / 642 (0.95x / 0.96x), GQA 32/8 (1,32,4608,128)
-# 593 / 621 (0.96x / 1.00x); our plain-Triton kernel 469-474 / 504-509 / 506 / 352-358 / 482-492.
-# The *_unroll configs run two key tiles a loop trip (UNROLL=2; _bf16_mainloop says why):
-# compile-checked for sm_90 with Triton 3.6 and 3.9 (SASS of the loop: no register copies at
-# the back edge, no spills; 516 -> 448 instructions a tile at d128, 463 -> 406 at d64) and NOT
-# YET TIMED on a GPU, so the defaults keep UNROLL=1 until gluon_attention_bench.py
-# --bf16-configs has measured them. d128 unrolled needs STAGES=3 (225 KB of shared memory):
-# with 2, both steps of a trip use fixed ring slots, LLVM hoists the slots' 16 wgmma
-# descriptors out of the loop and ptxas spills them (240 B, reloaded every tile). d256
-# unrolled spills 340 B outside the loop and has no room for a third stage: not offered.
+# d128, 192 KB at d256 (sm_90 allows 227 KB). d64 and d256 compile without spills; the d128
+# and d256 configs are the timed ones (benchmarks/RESULTS.md).
 GLUON_BF16_CONFIGS = {
-    "sm90_d64": dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=232, PRODUCER_REGS=24, UNROLL=1),
-    "sm90_d128": dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232, PRODUCER_REGS=24, UNROLL=1),
-    "sm90_d256": dict(BLOCK_N=64, STAGES=2, CONSUMER_REGS=232, PRODUCER_REGS=24, UNROLL=1),
-    "sm90_d64_unroll": dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=232, PRODUCER_REGS=24, UNROLL=2),
-    "sm90_d128_unroll": dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=232, PRODUCER_REGS=24, UNROLL=2),
+    "sm90_d64": dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=232, PRODUCER_REGS=24),
+    "sm90_d128": dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232, PRODUCER_REGS=24),
+    "sm90_d256": dict(BLOCK_N=64, STAGES=2, CONSUMER_REGS=232, PRODUCER_REGS=24),
 }
 
 
@@ -87,12 +72,8 @@ def block_head_dim(head_dim: int) -> int:
 
 
 def default_config(head_dim: int) -> dict:
-    """The measured config of this head dim's block; its *_unroll twin, where there is one,
-    under TRITON_ACCEL_GLUON_VARIANT=lean or lean_rowsum (benchmarks)."""
-    name = f"sm90_d{block_head_dim(head_dim)}"
-    if env_settings.gluon_variant() in ("lean", "lean_rowsum") and f"{name}_unroll" in GLUON_BF16_CONFIGS:
-        name += "_unroll"
-    return dict(GLUON_BF16_CONFIGS[name])
+    """The config of this head dim's block."""
+    return dict(GLUON_BF16_CONFIGS[f"sm90_d{block_head_dim(head_dim)}"])
 
 
 def gluon_bf16_refusal(device) -> str | None:
@@ -153,17 +134,17 @@ if gluon is not None:
         # the ring allows whenever STAGES >= 2 (slot (j+1) % STAGES was freed at j+1-STAGES).
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         for wg in gl.static_range(2):
-            _tma_load(q_desc, [off_b, off_h, q_row0 + wg * 64, 0], q_bar, q_smem.index(wg))
+            tma_load(q_desc, [off_b, off_h, q_row0 + wg * 64, 0], q_bar, q_smem.index(wg))
         for j in range(NKB):
             slot = j % STAGES
             phase = (j // STAGES) & 1
             # Parity phase ^ 1 on a fresh barrier passes at once: the first lap needs no wait.
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
             mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [off_b, off_hk, j * BLOCK_N, 0], k_full.index(slot), k_ring.index(slot))
+            tma_load(k_desc, [off_b, off_hk, j * BLOCK_N, 0], k_full.index(slot), k_ring.index(slot))
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
             mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [off_b, off_hk, j * BLOCK_N, 0], v_full.index(slot), v_ring.index(slot))
+            tma_load(v_desc, [off_b, off_hk, j * BLOCK_N, 0], v_full.index(slot), v_ring.index(slot))
 
     @gluon.jit
     def _bf16_issue_qk(q, k_ring, k_full, s_zero, j, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
@@ -226,47 +207,22 @@ if gluon is not None:
     @gluon.jit
     def _bf16_mainloop(q, k_ring, v_ring, k_full, k_empty, v_full, v_empty, s_zero, acc, m_i, l_i, offs_n,
                        qk_scale, LK, NKB, p_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr,
-                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr):
+                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
         s = _bf16_issue_qk(q, k_ring, k_full, s_zero, 0, BLOCK_N, BLOCK_D, STAGES)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        # P.V kept one tile behind the softmax (BLOCK_N = 64 to fit two P tiles) measured
-        # 0.70-0.83x cuDNN against 0.97-1.10x for this loop (H200, 2026-12-04; see
-        # attention_gluon_hopper._mainloop).
-        if UNROLL == 2:
-            # Two tiles a trip, so the two score tiles swap registers instead of being copied
-            # back at the back edge (64 MOVs a tile in the one-tile loop's SASS); the odd tile
-            # and the last one get their own branch (attention_gluon_hopper._mainloop says why).
-            for jj in range(0, (NKB - 1) // 2):
-                j = 2 * jj
-                s, acc, m_i, l_i = _bf16_step(s, acc, m_i, l_i, j, q, k_ring, v_ring, k_full, k_empty, v_full,
-                                              v_empty, s_zero, offs_n, qk_scale, LK, p_layout, o_layout, P_DTYPE,
-                                              BLOCK_N, BLOCK_D, STAGES)
-                s, acc, m_i, l_i = _bf16_step(s, acc, m_i, l_i, j + 1, q, k_ring, v_ring, k_full, k_empty, v_full,
-                                              v_empty, s_zero, offs_n, qk_scale, LK, p_layout, o_layout, P_DTYPE,
-                                              BLOCK_N, BLOCK_D, STAGES)
-            if (NKB - 1) % 2 == 1:
-                s, acc, m_i, l_i = _bf16_step(s, acc, m_i, l_i, NKB - 2, q, k_ring, v_ring, k_full, k_empty, v_full,
-                                              v_empty, s_zero, offs_n, qk_scale, LK, p_layout, o_layout, P_DTYPE,
-                                              BLOCK_N, BLOCK_D, STAGES)
-                acc, l_i = _bf16_last(s, acc, m_i, l_i, qk_scale, LK, NKB, offs_n, v_ring, v_full, v_empty, p_layout,
-                                      o_layout, P_DTYPE, BLOCK_N, BLOCK_D, STAGES)
-            else:
-                acc, l_i = _bf16_last(s, acc, m_i, l_i, qk_scale, LK, NKB, offs_n, v_ring, v_full, v_empty, p_layout,
-                                      o_layout, P_DTYPE, BLOCK_N, BLOCK_D, STAGES)
-        else:
-            for j in range(0, NKB - 1):
-                s, acc, m_i, l_i = _bf16_step(s, acc, m_i, l_i, j, q, k_ring, v_ring, k_full, k_empty, v_full,
-                                              v_empty, s_zero, offs_n, qk_scale, LK, p_layout, o_layout, P_DTYPE,
-                                              BLOCK_N, BLOCK_D, STAGES)
-            acc, l_i = _bf16_last(s, acc, m_i, l_i, qk_scale, LK, NKB, offs_n, v_ring, v_full, v_empty, p_layout,
-                                  o_layout, P_DTYPE, BLOCK_N, BLOCK_D, STAGES)
+        for j in range(0, NKB - 1):
+            s, acc, m_i, l_i = _bf16_step(s, acc, m_i, l_i, j, q, k_ring, v_ring, k_full, k_empty, v_full,
+                                          v_empty, s_zero, offs_n, qk_scale, LK, p_layout, o_layout, P_DTYPE,
+                                          BLOCK_N, BLOCK_D, STAGES)
+        acc, l_i = _bf16_last(s, acc, m_i, l_i, qk_scale, LK, NKB, offs_n, v_ring, v_full, v_empty, p_layout,
+                              o_layout, P_DTYPE, BLOCK_N, BLOCK_D, STAGES)
         return acc, l_i
 
     @gluon.jit
     def _bf16_consumer(q_smem, k_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty, O, stride_om, stride_od,
                        o_base, start_m, qk_scale, LQ, LK, NKB, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, UNROLL: gl.constexpr):
+                       BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr):
         ROWS: gl.constexpr = 64
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -285,7 +241,7 @@ if gluon is not None:
         mbarrier.wait(q_bar, 0)
         acc, l_i = _bf16_mainloop(q, k_ring, v_ring, k_full, k_empty, v_full, v_empty, s_zero, acc, m_i, l_i,
                                   offs_n, qk_scale, LK, NKB, p_layout, o_layout, q_smem.dtype, BLOCK_N, BLOCK_D,
-                                  STAGES, UNROLL)
+                                  STAGES)
 
         offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
         rows = start_m * 128 + WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
@@ -301,7 +257,7 @@ if gluon is not None:
         stride_ob, stride_oh, stride_om, stride_od,
         H, GROUP, LQ, LK, NKB, qk_scale,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, UNROLL: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         start_m = gl.program_id(0)
         bh = gl.program_id(1)
@@ -311,27 +267,18 @@ if gluon is not None:
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_full.index(i), count=1)
-            mbarrier.init(v_full.index(i), count=1)
-            # Both consumer warpgroups read every slot: it is free once both have arrived.
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
+        k_full, k_empty, v_full, v_empty = ring_barriers(STAGES)
         fence_async_shared()
 
         o_base = off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh
         gl.warp_specialize([
             (_bf16_consumer, (q_smem, k_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty, O, stride_om,
                               stride_od, o_base, start_m, qk_scale, LQ, LK, NKB, 0, HEAD_DIM, BLOCK_N, BLOCK_D,
-                              STAGES, UNROLL)),
+                              STAGES)),
             (_bf16_consumer, (q_smem, k_ring, v_ring, q_bar, k_full, k_empty, v_full, v_empty, O, stride_om,
                               stride_od, o_base, start_m, qk_scale, LQ, LK, NKB, 1, HEAD_DIM, BLOCK_N, BLOCK_D,
-                              STAGES, UNROLL)),
+                              STAGES)),
             (_bf16_load_partition, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_full, k_empty, v_full,
                                     v_empty, off_b, off_h, off_h // GROUP, start_m * 128, NKB, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -386,10 +333,9 @@ def attention_gluon_bf16(q, k, v, scale=None, config=None):
         _descriptor(q, shapes["q"]), _descriptor(k, shapes["k"]), _descriptor(v, shapes["v"]), out,
         *out.stride(), H, H // Hk, Lq, Lk, nkb, scale * LOG2E,
         HEAD_DIM=D, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"],
-        CONSUMER_REGS=config["CONSUMER_REGS"], PRODUCER_REGS=config["PRODUCER_REGS"],
-        UNROLL=config.get("UNROLL", 1), num_warps=4, **LAUNCH_OPTIONS)
+        CONSUMER_REGS=config["CONSUMER_REGS"], PRODUCER_REGS=config["PRODUCER_REGS"], num_warps=4,
+        **LAUNCH_OPTIONS)
     return out
-
 
 
 def compile_specs(dtype: str, head_dim: int, config: dict | None = None):
@@ -408,7 +354,7 @@ def compile_specs(dtype: str, head_dim: int, config: dict | None = None):
     sig = {n: types.get(n, "i32") for n in names}
     const = dict(stride_od=1, HEAD_DIM=head_dim, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d,
                  STAGES=config["STAGES"], CONSUMER_REGS=config["CONSUMER_REGS"],
-                 PRODUCER_REGS=config["PRODUCER_REGS"], UNROLL=config.get("UNROLL", 1))
+                 PRODUCER_REGS=config["PRODUCER_REGS"])
     for n in const:
         sig[n] = "constexpr"
     order = list(sig)

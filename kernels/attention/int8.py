@@ -36,12 +36,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # the registry reports why; importing the pack must still work
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import device as _device
 from .checks import half_precision_refusal
@@ -51,17 +46,15 @@ from .int8_quant import QuantizedInt8, quantize_qkv_int8
 from .ref import attention_ref
 from ..core.gpu_rules import (amd_arch_blocker, amd_int8_refusal, capability_refusal, min_capability_for,
                         nvidia_gpu_blocker, version_tuple)
-from ..core.kernel_common import LAUNCH_OPTIONS, arch_family, family_in
+from ..core.kernel_common import LAUNCH_OPTIONS, LOG2_P_SCALE, arch_family, family_in
 
 if triton is not None:
-    from .fp8_quant import _to_e4m3
+    from .fp8_quant import cast_e4m3
 
 PV_MODES = ("fp16", "fp8")
 MAX_HEAD_DIM = 128  # a 128x128 fp32 accumulator and a 128x128 int8 Q tile stay in registers
-# e4m3's largest finite value; P is scaled to [0, 448] in the fp8 P.V (log2 below, rounded
-# down so exp2 never exceeds it whatever its last bit does).
+# e4m3's largest finite value; P is scaled to [0, 448] in the fp8 P.V (kernel_common.LOG2_P_SCALE).
 P_MAX_FP8 = 448.0
-LOG2_P_SCALE = 8.8073
 FP16_TILE_BOUND = 32768.0  # half of fp16's 65504: room for the rounding of partial sums
 # An e4m3 MMA with an FP16 accumulator (the fp8 P.V) first lowers correctly in Triton 3.5:
 # compiled here, Triton 3.3 and 3.4 crash in ConvertTritonGPUToLLVM for sm_89 and, for sm_120,
@@ -120,9 +113,9 @@ if triton is not None:
         m_ij = tl.maximum(m_i, tl.max(s, 1) * c)
         alpha = tl.math.exp2(m_i - m_ij)
         if PV_FP8:
-            p = tl.math.exp2(s * c[:, None] - (m_ij - 8.8073)[:, None])  # in [0, 448]: LOG2_P_SCALE
+            p = tl.math.exp2(s * c[:, None] - (m_ij - LOG2_P_SCALE)[:, None])  # in [0, 448]
             vt = tl.load(V + offs_d[:, None] * LK_PAD + cols[None, :])
-            pv = tl.dot(_to_e4m3(p, EXACT_CAST), tl.trans(vt), out_dtype=tl.float16)
+            pv = tl.dot(cast_e4m3(p, EXACT_CAST), tl.trans(vt), out_dtype=tl.float16)
         else:
             p = tl.math.exp2(s * c[:, None] - m_ij[:, None])  # in [0, 1]
             v = tl.load(V + cols[:, None] * BLOCK_D + offs_d[None, :])
@@ -181,7 +174,7 @@ if triton is not None:
             # those of K minus its mean: the launcher adds scale * q.mean_k back.
             lse2 = m_i + tl.math.log2(l_i)
             if PV_FP8:
-                lse2 = lse2 - 8.8073
+                lse2 = lse2 - LOG2_P_SCALE
             tl.store(LSE + bh64 * LQ + offs_m, lse2 * 0.6931471805599453, mask=offs_m < LQ)
 
 

@@ -35,20 +35,15 @@ from typing import NamedTuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # importing the pack must work without Triton; callers check first
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
-from .fp8_quant import (QUANT_TUNING, STATS_ROWS, _carve, _signature, padded_head_dim, v_mean_fix_launch,
+from .fp8_quant import (QUANT_TUNING, STATS_ROWS, carve, quant_signature, padded_head_dim, v_mean_fix_launch,
                                   v_mean_fix_spec)
 from .fp8_quant import compile_specs as _fp8_quant_specs
 from ..core.kernel_common import LAUNCH_OPTIONS, LOG2E, cdiv
 
 if triton is not None:
-    from .fp8_quant import _fp8_stats_kernel, _quant_rows, _to_e4m3
+    from .fp8_quant import fp8_stats_kernel, quant_rows, cast_e4m3
 
 INT8_MAX = 127.0
 SV_UNIT = 448.0  # the statistics kernel stores max|v - mean_v| / 448 (its e4m3 scale)
@@ -152,7 +147,7 @@ if triton is not None:
             rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
             Xq = Q + (bh // H).to(tl.int64) * stride_qb + (bh % H).to(tl.int64) * stride_qh
             mig = tl.load(MIG + (bh // (H // HK)) * BLOCK_D + cols)
-            x = _quant_rows(Xq, stride_ql, stride_qd, rows, cols, LQ, HEAD_DIM, 0.0, q_scale_mul / mig[None, :])
+            x = quant_rows(Xq, stride_ql, stride_qd, rows, cols, LQ, HEAD_DIM, 0.0, q_scale_mul / mig[None, :])
             # Floors of 1e-12 (not 1e-30): the kernel multiplies masked -inf scores by sq * sk,
             # which must not underflow to 0 (-inf * 0 = NaN) for a zero row against constant keys.
             s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 127.0
@@ -164,7 +159,7 @@ if triton is not None:
             Xk = K + (bh // HK).to(tl.int64) * stride_kb + (bh % HK).to(tl.int64) * stride_kh
             k_mean = tl.load(KMEAN + bh * BLOCK_D + cols)
             mig = tl.load(MIG + bh * BLOCK_D + cols)
-            x = _quant_rows(Xk, stride_kl, stride_kd, rows, cols, LK, HEAD_DIM, k_mean[None, :], mig[None, :])
+            x = quant_rows(Xk, stride_kl, stride_kd, rows, cols, LK, HEAD_DIM, k_mean[None, :], mig[None, :])
             s = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12) / 127.0
             base = bh.to(tl.int64) * LK_PAD
             tl.store(K8 + (base + rows[:, None]) * BLOCK_D + cols[None, :], _to_int8(x / s))
@@ -174,13 +169,13 @@ if triton is not None:
             Xv = V + (bh // HK).to(tl.int64) * stride_vb + (bh % HK).to(tl.int64) * stride_vh
             v_mean = tl.load(VMEAN + bh * BLOCK_D + cols)
             inv_sv = v_mul / tl.load(SV + bh * BLOCK_D + cols)
-            x = _quant_rows(Xv, stride_vl, stride_vd, rows, cols, LK, HEAD_DIM, v_mean[None, :], 1.0)
+            x = quant_rows(Xv, stride_vl, stride_vd, rows, cols, LK, HEAD_DIM, v_mean[None, :], 1.0)
             # The clamp only matters for a constant channel (deviation ~ fp32 rounding of its
             # mean): there it keeps the tile bound the FP16 accumulator relies on.
             y = tl.minimum(tl.maximum(x * inv_sv[None, :], -V_RANGE), V_RANGE)
             if PV_FP8:
                 tl.store(VQ + (bh.to(tl.int64) * BLOCK_D + cols[:, None]) * LK_PAD + rows[None, :],
-                         tl.trans(_to_e4m3(y, EXACT_CAST)))
+                         tl.trans(cast_e4m3(y, EXACT_CAST)))
             else:
                 tl.store(VQ + (bh.to(tl.int64) * LK_PAD + rows[:, None]) * BLOCK_D + cols[None, :],
                          y.to(tl.float16))
@@ -203,12 +198,12 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     lq_pad, lk_pad = nqb * block_m, nkb * block_n
     dev = q.device
     # Pieces in 16-byte multiples except the last (block scales, read as scalars).
-    part_q, part_kv, k_mean, v_mean, v_mean_fix, sv, mig, sq, sk = _carve(
+    part_q, part_kv, k_mean, v_mean, v_mean_fix, sv, mig, sq, sk = carve(
         torch.empty((bhq * nchq + 7 * bhk * nchk + 5 * bhk) * block_d + bhq * lq_pad + bhk * nkb, device=dev,
                     dtype=torch.float32),
         [(bhq, nchq, block_d), (7, bhk, nchk, block_d), (bhk, block_d), (bhk, block_d), (bhk, block_d),
          (bhk, block_d), (bhk, block_d), (bhq, lq_pad), (bhk, nkb)])
-    q8, k8 = _carve(torch.empty(bhq * lq_pad * block_d + bhk * lk_pad * block_d, device=dev, dtype=torch.int8),
+    q8, k8 = carve(torch.empty(bhq * lq_pad * block_d + bhk * lk_pad * block_d, device=dev, dtype=torch.int8),
                     [(bhq, lq_pad, block_d), (bhk, lk_pad, block_d)])
     if pv == "fp8":
         vq = torch.empty(bhk, block_d, lk_pad, device=dev, dtype=torch.float8_e4m3fn)
@@ -217,12 +212,12 @@ def quantize_qkv_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
     sub = 32 if block_d >= 128 else 64
     if balance:  # max|q| per channel: role 0 alone writes plane 0 of its partials
-        _fp8_stats_kernel[(nchq, bhq, 1)](
+        fp8_stats_kernel[(nchq, bhq, 1)](
             q, q, q, part_q, *q.stride(), *q.stride(), *q.stride(), H, Lq, Lq, nchq, bhq,
             HEAD_DIM=D, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=sub, NEED_Q=True, Q_SAMPLE=1,
             STAGES=QUANT_TUNING["STATS_STAGES"], num_warps=4, **LAUNCH_OPTIONS)
     # K and V (NEED_Q=False: the role axis starts at K).
-    _fp8_stats_kernel[(nchk, bhk, 2)](
+    fp8_stats_kernel[(nchk, bhk, 2)](
         k, k, v, part_kv, *k.stride(), *k.stride(), *v.stride(), HK, Lk, Lk, nchk, bhk,
         HEAD_DIM=D, BLOCK_D=block_d, ROWS=STATS_ROWS, SUB=sub, NEED_Q=False, Q_SAMPLE=1,
         STAGES=QUANT_TUNING["STATS_STAGES"], num_warps=4, **LAUNCH_OPTIONS)
@@ -251,7 +246,7 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, pv: str
     block_d = padded_head_dim(head_dim)
     const = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CH=16, BALANCE=True)
     f32 = ["PART_Q", "PART_KV", "KMEAN", "VMEAN", "SV", "MIG"]
-    sig, attrs = _signature([*f32, "LK", "G", "NCHQ", "NCHK", "BHK", *const], {n: "*fp32" for n in f32}, const, f32)
+    sig, attrs = quant_signature([*f32, "LK", "G", "NCHQ", "NCHK", "BHK", *const], {n: "*fp32" for n in f32}, const, f32)
     finalize = ("_int8_finalize_kernel", _int8_finalize_kernel, sig, const, attrs, 4)
 
     ptr = f"*{dtype}"
@@ -265,7 +260,7 @@ def compile_specs(dtype: str, head_dim: int, block_m: int, block_n: int, pv: str
                  q_scale_mul="fp32", v_mul="fp32", **{n: "*fp32" for n in f32})
     aligned = ["Q", "K", "V", "Q8", "K8", "VQ", "KMEAN", "VMEAN", "SV", "MIG", "SQ",
                *[f"stride_{t}{a}" for t in "qkv" for a in "bhl"], "LQ_PAD", "LK_PAD"]
-    sig, attrs = _signature(names, types, const, aligned)
+    sig, attrs = quant_signature(names, types, const, aligned)
     warps = 8 if max(block_m, block_n) * block_d >= 16384 else 4
     specs = [stats, finalize, ("_int8_quant_kernel", _int8_quant_kernel, sig, const, attrs, warps)]
     return (specs + [v_mean_fix_spec(block_d)]) if pv == "fp8" else specs

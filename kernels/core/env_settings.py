@@ -27,9 +27,6 @@ AUTOTUNE = "TRITON_ACCEL_AUTOTUNE"
 FAST_LAUNCH = "TRITON_ACCEL_FAST_LAUNCH"
 CACHE_DIR = "TRITON_ACCEL_CACHE_DIR"
 GLUON = "TRITON_ACCEL_GLUON"
-GLUON_VARIANT = "TRITON_ACCEL_GLUON_VARIANT"
-GLUON_VARIANTS = ("default", "lean", "classic", "lean_rowsum", "lean_poly12", "lean_poly25", "lean_merged", "pv_behind",
-                  "pingpong", "persistent", "pvsplit2", "pvsplit4")
 FUSED_NORMS = "TRITON_ACCEL_FUSED_NORMS"
 FUSED_ROPE = "TRITON_ACCEL_FUSED_ROPE"
 STEP_GRAPH = "TRITON_ACCEL_STEP_GRAPH"
@@ -61,24 +58,6 @@ SETTINGS = (
             "The FP8 path on sm_90 runs the warp-specialised Gluon kernel where the installed Triton "
             "has Gluon and the kernel compiles there; off (any false word): always the plain-Triton "
             "full-FP8 kernel. Any other value means auto."),
-    Setting(GLUON_VARIANT, "default",
-            "Loop shape of the Gluon attention kernels on sm_90, for side-by-side benchmarks. default: "
-            "the measured ones (FP8: the lean loop, two key tiles a loop trip, P handed to P.V without "
-            "shuffles, early rescale: 3-9 % faster kernels on an H100 and 74 ms less per Wan 2.1 14B "
-            "step; BF16: one key tile a trip). lean: also BF16's two-tiles-a-trip loop at head dims 64 "
-            "and 128. classic: the FP8 loop shipped before (one key tile a trip). lean_rowsum: lean "
-            "with FP8's row sums of P on the tensor cores (fails the accuracy bar). lean_poly12 / "
-            "lean_poly25: lean with 1 / 2 of every 8 of FP8's exponentials of P computed by a polynomial "
-            "on the FMA pipe instead of the MUFU (measured 4-11 % slower on an H100). lean_merged: lean with one "
-            "slot-release mbarrier per key tile for K and V (three ring stages). pv_behind: FlashAttention-3's "
-            "loop order (a tile's Q.K^T and the previous tile's P.V issued together); pingpong: that with "
-            "FlashAttention-3's turn barriers between the two consumer warpgroups (both measured 6-11 % "
-            "slower than lean on an H100). persistent: lean as a persistent kernel (one CTA per SM walks the "
-            "query-block tiles; the next tile's loads overlap a tile's end; measured no faster at Flux and "
-            "2-7 % slower at Wan and HunyuanVideo on an H100). pvsplit2 / pvsplit4: lean with each key tile's "
-            "P.V issued in 2 / 4 column slices of P, each slice's product running under the next slice's "
-            "exponentials (measured 2-8 % slower at Wan and HunyuanVideo, no faster at Flux, on the H200). "
-            "Any other value means default."),
     Setting(FUSED_NORMS, "all",
             "Patch nodes that put our attention into a model also fuse its norms. all (the "
             "default): as qk, and the double and single blocks of ComfyUI's Flux layers (Flux, "
@@ -153,12 +132,6 @@ def gluon_allowed() -> bool:
     """TRITON_ACCEL_GLUON: "auto" (unset, or any value but a false word) lets the FP8 path use the
     Gluon kernel where it can run; a false word keeps the plain-Triton kernel."""
     return flag(GLUON, True)
-
-
-def gluon_variant() -> str:
-    """TRITON_ACCEL_GLUON_VARIANT: one of GLUON_VARIANTS ("default" when unset or unknown)."""
-    value = (text(GLUON_VARIANT) or "default").lower()
-    return value if value in GLUON_VARIANTS else "default"
 
 
 def fused_norms() -> str:

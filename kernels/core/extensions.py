@@ -425,9 +425,9 @@ def generation() -> int:
 def _forget(path: str) -> None:
     """Drop what was remembered about an extension's calls (it was replaced or removed), and the
     dispatcher's remembered decisions, which hold its old constraints."""
-    from ..attention.dispatch import _decisions
+    from ..attention.dispatch import forget_decisions
 
-    _decisions.clear()
+    forget_decisions()
     for key in [k for k in _failures if k[0] == path]:
         _failures.pop(key, None)
     _checked.difference_update([k for k in _checked if k[0] == path])

@@ -24,6 +24,9 @@ except Exception:  # the registry reports why; importing the pack must still wor
     OutOfResources = None
 
 LOG2E = 1.4426950408889634  # scores are scaled by scale*log2(e) so the kernels use exp2
+# log2(448) rounded down: the FP8 P.V kernels form P = exp2(S - max + LOG2_P_SCALE) <= 448,
+# e4m3's largest finite value, so P spans e4m3's whole range. A constexpr: jit code reads it.
+LOG2_P_SCALE = tl.constexpr(8.8073) if tl is not None else 8.8073
 
 # Mask kinds, a constexpr of every kernel that reads masks.
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2

@@ -32,12 +32,7 @@ from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # the registry reports why; importing the pack must still work
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import direct_launch
 from ..core.kernel_common import (batch_vector, exact_bf16, fp8_row_outputs, layer_norm_inputs, next_pow2,

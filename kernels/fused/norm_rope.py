@@ -29,12 +29,7 @@ from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # the registry reports why; importing the pack must still work
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import direct_launch
 from ..core.kernel_common import exact_bf16, next_pow2, row_kernel_refusal

@@ -18,12 +18,7 @@ import logging
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # the registry reports why; importing the pack must still work
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import direct_launch
 from ..core.kernel_common import fp8_row_outputs, next_pow2, row_kernel_refusal, row_warps, rows_2d

@@ -38,32 +38,31 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # the registry reports why; importing the pack must still work
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import cache_registry, direct_launch, env_settings
 from ..core import device as _device
 from ..core.gpu_rules import feature_refusal
 from ..core.kernel_common import LAUNCH_OPTIONS, arch_family, cdiv, family_in, fp8_device_refusal, next_pow2, sm_count
 
+# The weight and activation quantisation and the split tail live beside; their names stay
+# importable from here (this module's API).
+from .fp8_quant import (ALIGN_ELEMENTS, AMAX_FLOOR, FP8_MAX, IN_DTYPES, QUANT_LOOP_BLOCK,  # noqa: F401
+                        QUANT_ONE_PASS_MAX, Fp8LinearUnsupportedError, Fp8LinearWeight, check_features,
+                        quantize_weight)
+from .tail_split import (INTERPRETER_PROGRAMS, TAIL_LOCK_REGIONS, TAIL_ROWS, TAIL_SPLIT_MAX,  # noqa: F401
+                         TailSplit, tail_lock_region, tail_rows, tail_split)
+
 if triton is not None:
-    from ..core.kernel_common import store_fp8_row, to_e4m3
+    from .fp8_quant import quant_rows_fp8
+    from .gemm_common import activation, load_k_tile, scale_bias, store_tile, tile_coords, tile_operands
 
 log = logging.getLogger("triton_accel.kernels.linear.fp8")  # not __name__: the clone's folder name
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-# A row or channel of zeros gets this amax instead: scale stays finite, the zeros stay zeros.
-AMAX_FLOOR = 1e-12
-ALIGN_ELEMENTS = 16  # K and N multiple of 16: 16-byte TMA strides for e4m3, whole MMA depths
 
 # Tiles per arch family (kernel_common.arch_family; sm_120 falls back to sm89). Keys: BLOCK_M,
 # BLOCK_N, BLOCK_K, GROUP_M (row tiles per group of the tile order), num_warps, num_stages,
@@ -94,18 +93,6 @@ LINEAR_FP8_CONFIGS = {
     "interpreter": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=1, TMA=False,
                         SPLIT_TAIL=0),
 }
-# Programs of the persistent grid under the interpreter (numpy has no SMs).
-INTERPRETER_PROGRAMS = 3
-# Split tail: at most this many K slices per tile; the rows of a partial tile summed at once
-# (tail_rows).
-TAIL_SPLIT_MAX = 8
-TAIL_ROWS = 32
-# Arrival counters of split tiles: one region of sm_count counters per call, taken in turn, so
-# that calls in flight at once (other streams) do not share counters unless this many apart.
-TAIL_LOCK_REGIONS = 64
-# Activation quantisation: rows up to this many elements are held in registers in one pass.
-QUANT_ONE_PASS_MAX = 16384
-QUANT_LOOP_BLOCK = 4096
 
 # Activations the GEMM epilogue applies to output columns >= act_from (kernels.linear.dispatch's
 # `activation`): the code each kernel's ACT constexpr takes. 0 is none; epilogue_act() picks
@@ -123,70 +110,6 @@ def epilogue_act(act: int, device: torch.device, out_dtype: torch.dtype) -> int:
     return act
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class Fp8LinearUnsupportedError(RuntimeError):
-    """The device or the call cannot run the FP8 Linear kernel; `.reason` says why."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-        super().__init__(reason)
-
-
-@dataclass(frozen=True)
-class Fp8LinearWeight:
-    """A Linear weight ready for the kernel: e4m3 [N, K] (K contiguous) and fp32 scales [N]."""
-
-    weight: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-
-def _check_features(n: int, k: int) -> None:
-    for name, v in (("in_features (K)", k), ("out_features (N)", n)):
-        if v % ALIGN_ELEMENTS:
-            raise Fp8LinearUnsupportedError(
-                f"FP8 Linear needs {name} to be a multiple of {ALIGN_ELEMENTS} (TMA row strides of 16 bytes, "
-                f"whole MMA depths); got {v}")
-
-
-def quantize_weight(weight: torch.Tensor, scale: torch.Tensor | float | None = None) -> Fp8LinearWeight:
-    """An nn.Linear weight [N, K] as the kernel wants it; done once per layer.
-
-    float weights: per-output-channel e4m3 (scale = channel amax / 448). float8_e4m3fn
-    weights (ComfyUI's FP8 checkpoints) are kept as they are, with `scale` a scalar
-    (per-tensor, `scale_weight` in those files; None means 1) or one value per output channel.
-    """
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [out_features, in_features]; got shape {tuple(weight.shape)}")
-    n, k = weight.shape
-    _check_features(n, k)
-    if weight.dtype == torch.float8_e4m3fn:
-        s = torch.as_tensor(1.0 if scale is None else scale, dtype=torch.float32, device=weight.device)
-        s = s.reshape(-1).to(torch.float32)
-        if s.numel() not in (1, n):
-            raise ValueError(f"an FP8 weight's scale must be a scalar or have {n} values; got {s.numel()}")
-        return Fp8LinearWeight(weight.contiguous(), s.expand(n).contiguous())
-    if weight.dtype not in IN_DTYPES:
-        raise Fp8LinearUnsupportedError(f"FP8 Linear quantises float16/bfloat16/float32 or takes float8_e4m3fn "
-                                        f"weights; got {weight.dtype}")
-    if scale is not None:
-        raise ValueError("scale is only for weights that are already float8_e4m3fn")
-    w = weight.float()
-    amax = w.abs().amax(dim=1).clamp_min(AMAX_FLOOR)
-    s = amax / FP8_MAX
-    # Division by the same fp32 scale the epilogue multiplies by: |w / s| <= 448 up to one
-    # rounding, and the clamp keeps that rounding from overflowing e4m3 (which has no inf).
-    q = (w / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return Fp8LinearWeight(q.contiguous(), s.contiguous())
 
 
 def quantize_weight_rows(weight: torch.Tensor) -> Fp8LinearWeight:
@@ -202,7 +125,7 @@ def quantize_weight_rows(weight: torch.Tensor) -> Fp8LinearWeight:
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features]; got shape {tuple(weight.shape)}")
     n, k = weight.shape
-    _check_features(n, k)
+    check_features(n, k)
     if weight.dtype not in IN_DTYPES:
         raise Fp8LinearUnsupportedError(f"the row quantiser takes float16/bfloat16/float32 weights; got {weight.dtype}")
     q, s = quantize_activation(weight if weight.stride(-1) == 1 else weight.contiguous())
@@ -214,146 +137,7 @@ def config_family(arch: str) -> str:
     return family_in(LINEAR_FP8_CONFIGS, arch_family(arch))
 
 
-class TailSplit(NamedTuple):
-    """How a GEMM launch splits its last wave: `split` K slices for each of the tiles from
-    `dp_tiles` on (1: none, every tile whole), `workspace` fp32 elements for their partials."""
-
-    split: int
-    dp_tiles: int
-    workspace: int
-
-
-def tail_split(tiles: int, programs: int, k_tiles: int, cost: float | None, block_m: int, block_n: int,
-               forced: int | None = None) -> TailSplit:
-    """The persistent GEMM's wave quantisation, undone where it pays. `tiles` output tiles on
-    `programs` SMs take ceil(tiles / programs) tile times although the work is tiles / programs
-    of them: Flux's 4608 x 3072 outputs have 432 tiles of 128x256, 3.27 waves on 132 SMs, run
-    in 4 (the last wave leaves 96 SMs idle). Here the whole waves stay whole tiles and the rest
-    (`tiles % programs`, or every tile of a GEMM with fewer tiles than SMs: Flux's 512 text
-    tokens) is cut along K into S slices, one program each, S <= programs // rest. The last
-    slice of a tile to finish sums the S partials, in a fixed order, and runs the epilogue: the
-    tail then takes about k_tiles / S + S + `cost` K tiles (each partial read back once, and
-    the split's fixed cost; None: never split). S minimises k_tiles / S + S, and the split is
-    taken where the estimate stays within 85 % of k_tiles. `forced`: that S (benchmarks,
-    tests), within the bounds."""
-    whole = TailSplit(1, tiles, 0)
-    rest = tiles % programs if tiles >= programs else tiles
-    if rest == 0 or k_tiles < 2:
-        return whole
-    most = min(programs // rest, k_tiles, TAIL_SPLIT_MAX)
-    if forced is not None:
-        s = min(int(forced), most)
-    elif cost is None or most < 2:
-        return whole
-    else:
-        s = min(range(2, most + 1), key=lambda c: k_tiles / c + c)
-        if k_tiles / s + s + cost > 0.85 * k_tiles:
-            return whole
-    if s < 2:
-        return whole
-    return TailSplit(s, tiles - rest, rest * s * block_m * block_n)
-
-
-def tail_rows(split: int, block_m: int) -> int:
-    """Rows of a split tile the last slice sums at once: the SPLIT_K loads of a chunk are issued
-    together, so more slices take fewer rows (sm_90's 128x256 tile spills from 8 x 32 rows)."""
-    return min(block_m, TAIL_ROWS if split <= 4 else TAIL_ROWS // 2)
-
-
-_tail_locks: dict[tuple, list] = {}  # (device type, index) -> [int32 counters, next region]
-cache_registry.register("kernels.linear.fp8.tail_locks", _tail_locks.clear)
-
-
-def tail_lock_region(device: torch.device) -> torch.Tensor | None:
-    """Zeroed arrival counters for one split launch (each launch leaves them zero again): the
-    next of TAIL_LOCK_REGIONS regions of one per-device buffer. None inside a stream capture
-    before the buffer exists (made there, it would be filled only when the graph replays)."""
-    index = device.index or 0
-    entry = _tail_locks.get((device.type, index))
-    if entry is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        per = max(sm_count(index) if device.type == "cuda" else INTERPRETER_PROGRAMS, 1)
-        entry = [torch.zeros((TAIL_LOCK_REGIONS, per), dtype=torch.int32, device=device), 0]
-        _tail_locks[(device.type, index)] = entry
-    locks, region = entry
-    entry[1] = (region + 1) % TAIL_LOCK_REGIONS
-    return locks[region]
-
-
 if triton is not None:
-
-    @triton.jit
-    def _quant_rows_fp8(X, Y, S, K, stride_xm, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
-                        EXACT_CAST: tl.constexpr):
-        # One program per row: amax over the row, then e4m3 of x * 448 / amax. Rows that fit
-        # (K <= QUANT_ONE_PASS_MAX) stay in registers: one read of x, one write of y.
-        row = tl.program_id(0).to(tl.int64)
-        x_row = X + row * stride_xm
-        y_row = Y + row * K
-        offs = tl.arange(0, BLOCK_K)
-        if ONE_PASS:
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            store_fp8_row(y_row, S + row, x, offs, offs < K, EXACT_CAST)
-        else:
-            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-                acc = tl.maximum(acc, tl.abs(x))
-            amax = tl.maximum(tl.max(acc, 0), 1e-12)
-            inv = tl.math.div_rn(448.0, amax)  # correctly rounded: Triton's '/' is approximate
-            for k0 in range(0, K, BLOCK_K):
-                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-                y = tl.clamp(x * inv, -448.0, 448.0)
-                tl.store(y_row + k0 + offs, to_e4m3(y, EXACT_CAST), mask=k0 + offs < K)
-            tl.store(S + row, amax / 448.0)
-
-    @triton.jit
-    def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-        # Grouped order: GROUP_M row tiles walk the N tiles together, so consecutive programs
-        # share weight tiles (and activation tiles) while they sit in L2.
-        per_group = GROUP_M * num_pid_n
-        first_m = (tile // per_group) * GROUP_M
-        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_rows
-        pid_n = (tile % per_group) // group_rows
-        return pid_m, pid_n
-
-    @triton.jit
-    def _tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n, GROUP_M: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # The pointer GEMMs' prologue (FP8 here, INT8 and FP8 weight-only beside): one output
-        # tile's rows, columns and first K-tile pointers. Rows / columns past the edge read row
-        # 0 instead: valid memory, unmasked (vector) loads; the masked store drops what they give.
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm_ld = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
-        rn_ld = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = A + rm_ld.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = B + rn_ld.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
-        return rm, rn, a_ptrs, b_ptrs
-
-    @triton.jit
-    def _load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     A_ZERO: tl.constexpr, B_ZERO: tl.constexpr):
-        # The last K tile of an odd K reads zeros past the end: they add nothing to the dot.
-        # A_ZERO / B_ZERO: zero of the operand's kind (0.0 for fp8/fp16 tiles, 0 for int8 and
-        # raw e4m3 bytes): the interpreter will not cast an int fill into an fp8 tile.
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = tl.arange(0, BLOCK_K)[None, :] < K - ki * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok, other=A_ZERO)
-            b = tl.load(b_ptrs, mask=k_ok, other=B_ZERO)
-        return a, b
-
-    @triton.jit
-    def _store_tile(C, out, rm, rn, M, N, stride_cm):
-        c_ptrs = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-        tl.store(c_ptrs, out.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
     def _store_activated_copy(S, out, rm, rn, M, N, stride_sm, ACT_FROM):
@@ -364,43 +148,12 @@ if triton is not None:
                  mask=(rm[:, None] < M) & (rn[None, :] >= ACT_FROM) & (rn[None, :] < N))
 
     @triton.jit
-    def _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS: tl.constexpr):
-        # Dequantise: row (token) scale x column (channel) scale, then the bias, in fp32.
-        sa = tl.load(SA + rm, mask=rm < M, other=0.0)
-        sb = tl.load(SB + rn, mask=rn < N, other=0.0)
-        out = acc * sa[:, None] * sb[None, :]
-        if HAS_BIAS:
-            out = out + tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        return out
-
-    @triton.jit
-    def _activation(out, rn, ACT: tl.constexpr, ACT_FROM):
-        # GELU with the tanh approximation (nn.GELU(approximate="tanh")) on columns >= ACT_FROM,
-        # in fp32 before the output cast: the separate GELU pass over the [M, N] output (a read
-        # and a write of it, strided where the columns are a slice of a fused projection)
-        # disappears. The epilogue does not overlap the MMAs, so its instruction count is time:
-        # ACT 2 (NVIDIA, 16-bit outputs) takes tanh.approx.f32, one MUFU op (max. rel. error
-        # ~2^-11, below bf16/fp16 output rounding); ACT 1 (fp32 outputs, AMD, the interpreter)
-        # uses 0.5 * (1 + tanh(u)) = sigmoid(2u), i.e. x / (1 + exp(-2u)), with the exponent
-        # clamped at 2^126 (no inf: x / 2^126 is GELU's -0.0 for very negative x, as torch's).
-        if ACT != 0:
-            u = 0.7978845608028654 * (out + 0.044715 * out * out * out)
-            if ACT == 2:
-                t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32,
-                                              is_pure=True, pack=1)
-                gelu = 0.5 * out * (1.0 + t)
-            else:
-                gelu = out / (1.0 + tl.exp2(tl.minimum(-2.0 * 1.4426950408889634 * u, 126.0)))
-            out = tl.where(rn[None, :] >= ACT_FROM, gelu, out)
-        return out
-
-    @triton.jit
     def _tail_slice(unit, DP_TILES, k_tiles, num_pid_m, num_pid_n, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
         # Unit u of the split tail: tile DP_TILES + u // SPLIT_K, K tiles [k_lo, k_hi) of it.
         # Consecutive units (one per program) are the slices of one tile.
         tail = unit // SPLIT_K
         part = unit % SPLIT_K
-        pid_m, pid_n = _tile_coords(DP_TILES + tail, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(DP_TILES + tail, num_pid_m, num_pid_n, GROUP_M)
         return tail, pid_m, pid_n, part * k_tiles // SPLIT_K, (part + 1) * k_tiles // SPLIT_K
 
     @triton.jit
@@ -429,8 +182,8 @@ if triton is not None:
                 for j in tl.static_range(1, SPLIT_K):
                     total += tl.load(base + j * tile_elems + offs, cache_modifier=".cg")
                 rm = off_m + r + tl.arange(0, RED_ROWS)
-                out = _activation(_scale_bias(total, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS), rn, ACT, ACT_FROM)
-                _store_tile(C, out, rm, rn, M, N, stride_cm)
+                out = activation(scale_bias(total, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS), rn, ACT, ACT_FROM)
+                store_tile(C, out, rm, rn, M, N, stride_cm)
 
     @triton.jit
     def _fp8_linear_tma(
@@ -448,7 +201,7 @@ if triton is not None:
         # tile's epilogue runs, instead of the pipeline draining and refilling per tile.
         # Tiles from DP_TILES on are the split tail (tail_split), after this loop.
         for tile in tl.range(tl.program_id(0), DP_TILES, NUM_PROGRAMS, flatten=FLATTEN):
-            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -459,10 +212,10 @@ if triton is not None:
                 acc = tl.dot(a, b.T, acc)
             rm = off_m + tl.arange(0, BLOCK_M)
             rn = off_n + tl.arange(0, BLOCK_N)
-            out = _scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
+            out = scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
             if ACT != 0:
                 if off_n + BLOCK_N > ACT_FROM:  # tiles left of the activated columns skip it
-                    out = _activation(out, rn, ACT, ACT_FROM)
+                    out = activation(out, rn, ACT, ACT_FROM)
             out = out.to(c_desc.dtype)
             if EPILOGUE_SUBTILE:
                 # Two half-width stores through a half-size staging buffer: the shared memory
@@ -508,29 +261,29 @@ if triton is not None:
         num_pid_n = tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
         for tile in tl.range(tl.program_id(0), DP_TILES, NUM_PROGRAMS):
-            rm, rn, a_ptrs, b_ptrs = _tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n,
+            rm, rn, a_ptrs, b_ptrs = tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n,
                                                     GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(k_tiles):
-                a, b = _load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0.0, 0.0)
+                a, b = load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0.0, 0.0)
                 acc = tl.dot(a, tl.trans(b), acc)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
-            out = _activation(_scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS), rn, ACT, ACT_FROM)
-            _store_tile(C, out, rm, rn, M, N, stride_cm)
+            out = activation(scale_bias(acc, SA, SB, BIAS, rm, rn, M, N, HAS_BIAS), rn, ACT, ACT_FROM)
+            store_tile(C, out, rm, rn, M, N, stride_cm)
             if SPLIT_ACT:  # masked: tiles left of ACT_FROM store nothing there
                 _store_activated_copy(S, out, rm, rn, M, N, stride_sm, ACT_FROM)
         if SPLIT_K > 1:  # the split tail (no SPLIT_ACT: the launcher does not split those)
             for unit in range(tl.program_id(0), (num_pid_m * num_pid_n - DP_TILES) * SPLIT_K, NUM_PROGRAMS):
                 tail, pid_m, pid_n, k_lo, k_hi = _tail_slice(unit, DP_TILES, k_tiles, num_pid_m, num_pid_n, GROUP_M,
                                                              SPLIT_K)
-                rm, rn, a_ptrs, b_ptrs = _tile_operands(DP_TILES + tail, A, B, M, N, stride_am, stride_bn, num_pid_m,
+                rm, rn, a_ptrs, b_ptrs = tile_operands(DP_TILES + tail, A, B, M, N, stride_am, stride_bn, num_pid_m,
                                                         num_pid_n, GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)
                 a_ptrs += k_lo * BLOCK_K
                 b_ptrs += k_lo * BLOCK_K
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for ki in range(k_lo, k_hi):
-                    a, b = _load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0.0, 0.0)
+                    a, b = load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0.0, 0.0)
                     acc = tl.dot(a, tl.trans(b), acc)
                     a_ptrs += BLOCK_K
                     b_ptrs += BLOCK_K
@@ -601,7 +354,7 @@ def quantize_activation(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block = next_pow2(k, 1) if one_pass else QUANT_LOOP_BLOCK
     warps = 8 if block >= 4096 else 4
     consts = dict(BLOCK_K=block, ONE_PASS=one_pass, EXACT_CAST=interpreter)
-    kernel = _quant_rows_fp8[(m,)](*args, **consts, num_warps=warps, **LAUNCH_OPTIONS)
+    kernel = quant_rows_fp8[(m,)](*args, **consts, num_warps=warps, **LAUNCH_OPTIONS)
     if key is not None:
         direct_launch.record(key, kernel, (m,), tuple(consts[n] for n in _QUANT_CONSTEXPRS), args, out_index=1)
     return y, s
@@ -963,7 +716,7 @@ def direct_call(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
 
 
 # The kernels' constexpr names in signature order: a direct launch appends their values.
-_QUANT_CONSTEXPRS = direct_launch.constexpr_order(_quant_rows_fp8) if triton is not None else ()
+_QUANT_CONSTEXPRS = direct_launch.constexpr_order(quant_rows_fp8) if triton is not None else ()
 _TMA_CONSTEXPRS = direct_launch.constexpr_order(_fp8_linear_tma) if triton is not None else ()
 _PTR_CONSTEXPRS = direct_launch.constexpr_order(_fp8_linear_ptr) if triton is not None else ()
 
@@ -977,7 +730,7 @@ def compile_specs(config: dict, out_dtype: str = "bf16", has_bias: bool = True, 
                  "BLOCK_K": "constexpr", "ONE_PASS": "constexpr", "EXACT_CAST": "constexpr"}
     quant_const = dict(BLOCK_K=8192, ONE_PASS=True, EXACT_CAST=False)
     quant_attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
-    specs = [(_quant_rows_fp8, quant_sig, quant_const, quant_attrs, dict(num_warps=8, num_stages=1))]
+    specs = [(quant_rows_fp8, quant_sig, quant_const, quant_attrs, dict(num_warps=8, num_stages=1))]
     use_tma = config.get("TMA", False) if tma is None else tma
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     const = dict(HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"], NUM_PROGRAMS=132)

@@ -28,19 +28,14 @@ import logging
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # the registry reports why; importing the pack must still work
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import device as _device
 from ..core.kernel_common import LAUNCH_OPTIONS, arch_family, cdiv, family_in, sm_count
 from .fp8 import epilogue_act, quantize_weight
 
 if triton is not None:
-    from .fp8 import _activation, _load_k_tile, _store_tile, _tile_operands
+    from .gemm_common import activation, load_k_tile, store_tile, tile_operands
 
 log = logging.getLogger("triton_accel.kernels.linear.fp8_weight_only")  # not __name__: the clone's folder name
 
@@ -89,11 +84,11 @@ if triton is not None:
         num_pid_n = tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-            rm, rn, a_ptrs, b_ptrs = _tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n,
+            rm, rn, a_ptrs, b_ptrs = tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n,
                                                     GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(k_tiles):
-                a, b = _load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0.0, 0)
+                a, b = load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0.0, 0)
                 w = _e4m3_bits_to_fp16(b).to(COMPUTE)
                 acc = tl.dot(a.to(COMPUTE), tl.trans(w), acc)
                 a_ptrs += BLOCK_K
@@ -103,7 +98,7 @@ if triton is not None:
             out = acc * sb[None, :]
             if HAS_BIAS:
                 out = out + tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            _store_tile(C, _activation(out, rn, ACT, ACT_FROM), rm, rn, M, N, stride_cm)
+            store_tile(C, activation(out, rn, ACT, ACT_FROM), rm, rn, M, N, stride_cm)
 
 
 def _compute_dtype(x_dtype: torch.dtype, interpreter: bool):

@@ -29,12 +29,7 @@ from functools import lru_cache
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # the registry reports why; importing the pack must still work
-    triton = None
-    tl = None
+from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import cache_registry
 from ..core import device as _device
@@ -42,7 +37,7 @@ from ..core.kernel_common import LAUNCH_OPTIONS, arch_family, cdiv, family_in, s
 from .fp8 import epilogue_act
 
 if triton is not None:
-    from .fp8 import _activation, _load_k_tile, _scale_bias, _store_tile, _tile_operands
+    from .gemm_common import activation, load_k_tile, scale_bias, store_tile, tile_operands
 
 log = logging.getLogger("triton_accel.kernels.linear.int8")  # not __name__: the clone's folder name
 
@@ -179,18 +174,18 @@ if triton is not None:
         num_pid_n = tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-            rm, rn, a_ptrs, b_ptrs = _tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n,
+            rm, rn, a_ptrs, b_ptrs = tile_operands(tile, A, B, M, N, stride_am, stride_bn, num_pid_m, num_pid_n,
                                                     GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
             for ki in range(k_tiles):
-                a, b = _load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0, 0)
+                a, b = load_k_tile(a_ptrs, b_ptrs, ki, K, BLOCK_K, EVEN_K, 0, 0)
                 # int8 x int8 -> int32, exact. out_dtype spelled out: Triton 3.5-3.7 otherwise
                 # assume an fp32 accumulator and reject the int32 one.
                 acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
-            out = _scale_bias(acc.to(tl.float32), SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
-            _store_tile(C, _activation(out, rn, ACT, ACT_FROM), rm, rn, M, N, stride_cm)
+            out = scale_bias(acc.to(tl.float32), SA, SB, BIAS, rm, rn, M, N, HAS_BIAS)
+            store_tile(C, activation(out, rn, ACT, ACT_FROM), rm, rn, M, N, stride_cm)
 
 
 def _interpreter(device: torch.device) -> bool:

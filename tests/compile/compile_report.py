@@ -128,15 +128,6 @@ def main_loop_of(result: dict) -> dict:
     return loop
 
 
-def assert_unrolled(loop: dict, base: dict, fewer_instructions: bool = True) -> None:
-    """Two key tiles a trip with at most a quarter of the one-tile loop's (`base`) register
-    copies a tile, and (unless told otherwise) fewer instructions a tile in all."""
-    assert loop["tiles"] == 2, loop
-    assert loop["copies"] <= base["copies"] / 4, (loop["copies"], base["copies"])
-    if fewer_instructions:
-        assert loop["total"] < base["total"], (loop["total"], base["total"])
-
-
 def cached_report(which: str, worker: str, jobs: list, root: Path, cache: dict) -> dict:
     """compile_report() once per Triton per test module (kept in `cache`); skips the test,
     printing why, when that Triton is absent or cannot build the kernel."""

@@ -171,7 +171,7 @@ def _check_compiled(results, job):
     # The FP8 P.V's V-mean correction is a launch of its own (attention_fp8_quant._v_mean_fix_kernel).
     fix = ["_v_mean_fix_kernel"] if job[1] == "fp8" else []
     expected = ["_attn_int8_fwd"] if job[4] == "attn" else [
-        "_fp8_stats_kernel", "_int8_finalize_kernel", "_int8_quant_kernel", *fix, "_attn_int8_fwd"]
+        "fp8_stats_kernel", "_int8_finalize_kernel", "_int8_quant_kernel", *fix, "_attn_int8_fwd"]
     assert [r["kernel"] for r in results] == expected
     for r in results:
         assert r["ok"], r.get("error")

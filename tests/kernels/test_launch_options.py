@@ -83,7 +83,7 @@ def test_attention_launches_carry_the_options(launches):
     kernels.attention(q77, k77, v77, backend="triton")
     kernels.attention(q, k, v, precision="fp8")
     kernels.attention(q, k, v, precision="int8")
-    wanted = {"_attn_fwd", "_attn_short_kv_fwd", "_fp8_stats_kernel", "_fp8_finalize_kernel", "_fp8_quant_kernel",
+    wanted = {"_attn_fwd", "_attn_short_kv_fwd", "fp8_stats_kernel", "_fp8_finalize_kernel", "_fp8_quant_kernel",
               "_v_mean_fix_kernel", "_attn_fp8_full_fwd", "_int8_finalize_kernel", "_int8_quant_kernel", "_attn_int8_fwd"}
     assert wanted <= set(launches), f"a path fell back or moved: launched {sorted(launches)}"
     unpinned = {name: flags for name, flags in launches.items() if not all(f is True for f in flags)}

@@ -348,7 +348,7 @@ def test_tail_lock_regions_rotate_and_wait_for_capture(monkeypatch):
     """Each split launch takes the next region of counters (launches in flight on other streams
     do not share them), and inside a stream capture none is made (it would be zeroed only when
     the graph replays): the launch then keeps every tile whole."""
-    monkeypatch.setattr(lf, "_tail_locks", {})
+    monkeypatch.setattr(importlib.import_module("triton_accel.kernels.linear.tail_split"), "_tail_locks", {})
     first, second = lf.tail_lock_region(torch.device("cpu")), lf.tail_lock_region(torch.device("cpu"))
     assert first.data_ptr() != second.data_ptr() and int(first.abs().sum()) == 0
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

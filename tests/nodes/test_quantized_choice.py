@@ -266,22 +266,13 @@ def test_speed_summary_rows(tmp_path):
     assert speed_choice.speed_summary(SpeedChoice(tmp_path / "speed.json")) == rows
 
 
-@pytest.mark.parametrize("variant", [None, "default", "lean", "classic", "lean_rowsum", "lean_poly12", "bogus"])
-def test_speed_key_keeps_a_gluon_variant_apart(monkeypatch, variant):
-    """TRITON_ACCEL_GLUON_VARIANT=lean or classic (a benchmark's loop variant) gets its own
-    speed-cache entries; the default and unknown values keep the keys they always had, and the
-    shape class stays the key's last field (speed_summary reads old entries from it)."""
-    if variant is None:
-        monkeypatch.delenv("TRITON_ACCEL_GLUON_VARIANT", raising=False)
-    else:
-        monkeypatch.setenv("TRITON_ACCEL_GLUON_VARIANT", variant)
+def test_speed_key_fields():
+    """The shape class stays the key's last field (speed_summary reads old entries from it)."""
     facts = nvidia("sm_90", arch="sm_90")
     key = speed_key(facts, [ORIGINAL, FP8, FP16], "b1-h40/40-q32760-k32760-d128")
     fields = key.split("|")
     assert fields[:2] == ["NVIDIA H200", "sm_90"] and fields[-1] == "b1-h40/40-q32760-k32760-d128"
-    assert fields[5] == f"{ORIGINAL}+{FP8}+{FP16}"
-    timed_apart = variant in ("lean", "classic", "lean_rowsum", "lean_poly12")
-    assert (f"gluon {variant}" in fields) == timed_apart and len(fields) == (9 if timed_apart else 8)
+    assert fields[5] == f"{ORIGINAL}+{FP8}+{FP16}" and len(fields) == 8
     assert fields[6] == "eager"  # the step mode: an eager call is timed with its host time
 
 
