@@ -27,7 +27,7 @@ nothing is downloaded), patches them the way the nodes do, and times `BaseModel.
                through the GEMM's contiguous copy)
   <variant>+norms, <variant>+qk, <variant>+blocks, <variant>+nonorms  that variant with
                TRITON_ACCEL_FUSED_NORMS=all (Wan blocks, Flux-layer QKNorms and blocks), =qk
-               (Wan blocks and Flux-layer QKNorms: session 32's default), =blocks (Wan blocks
+               (Wan blocks and Flux-layer QKNorms: an earlier default), =blocks (Wan blocks
                only) or =off (none); none of them: the pack's default (all, docs/settings.md),
                e.g. ours-all+nonorms for the step before the fusion
   <variant>+rope, <variant>+norope  that variant with TRITON_ACCEL_FUSED_ROPE=1 (the default:

@@ -7,7 +7,7 @@ Per shape (random bf16 inputs with outlier channels, never zeros):
    quantise, V-mean fix) from torch.profiler over --iters calls, with the bytes each one must move and
    the bandwidth that gives, beside a plain device copy of Q (read + write) as the ceiling;
 2. do_bench medians of quantize_qkv (with and without the outlier side operands, and with
-   session 37's launch shapes: S37_TUNING), of the Gluon FP8 kernel alone on its output, and of
+   the older launch shapes: S37_TUNING), of the Gluon FP8 kernel alone on its output, and of
    the whole call (quantisation + kernel; again with S37_TUNING), with TFLOP/s and the share of
    the call the quantisation takes;
 3. SDPA cuDNN on the same bf16 inputs, for the ratio;
@@ -35,12 +35,11 @@ glu = importlib.import_module(pack.__name__ + ".kernels.attention.gluon_hopper")
 
 SHAPES = {"flux": (1, 24, 4608, 128), "wan": (1, 40, 32760, 128), "hunyuan": (1, 24, 33390, 128)}
 # --sweep: quantize_qkv launch shapes (QUANT_TUNING keys) timed per kernel.
-# Session 37's launch shapes: every row of Q and K in the statistics, 512-row chunks, 8 warps
-# for 128 x 128 tiles (the last SWEEP entry; the "session 37's" columns of the table).
+# The older launch shapes: every row of Q and K in the statistics, 512-row chunks, 8 warps
+# for 128 x 128 tiles (the last SWEEP entry; the "older" columns of the table).
 S37_TUNING = dict(QK_STRIDE=1, STATS_ROWS=512, QUANT_WARPS=8)
-# Session 38 swept QK_STRIDE 1 / 16, STATS_ROWS 512 and QUANT_WARPS 8 too (benchmarks/RESULTS.md);
-# session 41: V's mean without its rounding correction (V_MEAN_FIX=0) beside the default (since
-# session 42 the correction is the "fix" kernel alone: the quantising kernel is the same either way).
+# Also: V's mean without its rounding correction (V_MEAN_FIX=0) beside the default (the
+# correction is the "fix" kernel alone: the quantising kernel is the same either way).
 SWEEP = [dict(), dict(V_MEAN_FIX=0), S37_TUNING]
 STAGES = (("stats", "fp8_stats_kernel"), ("finalize", "_fp8_finalize_kernel"), ("quant", "_fp8_quant_kernel"),
           ("fix", "_v_mean_fix_kernel"))
@@ -106,7 +105,7 @@ def run_shape(name, shape, gen, iters, log, do_sweep=False):
     qkv = glu.quantize_for_config(q, k, v, scale, cfg)
     res["kernel_ms"] = bench(lambda: glu.attention_gluon_fp8_quantized(qkv, q.shape, l, q.dtype, q.device, cfg))
     res["full_ms"] = bench(lambda: glu.attention_gluon_fp8(q, k, v))
-    # The same two timings with session 37's quantisation (every row of Q and K in the
+    # The same two timings with the older quantisation (every row of Q and K in the
     # statistics, 512-row chunks, 8 warps for 128 x 128 tiles), in the same process.
     saved = dict(quant.QUANT_TUNING)
     try:
@@ -154,7 +153,7 @@ def main():
                 log(f"| {r['shape']} | {w['tuning']} | " + (w.get("error") or " | ".join(
                     f"{w[k]:.3f}" for k in ("stats_ms", "finalize_ms", "quant_ms", "fix_ms", "device_ms"))) + " |")
     log("\n| shape | copy Q TB/s | QK stride | stats ms (TB/s) | finalize ms | quant ms (TB/s) | fix ms | quantize_qkv ms (no side; "
-        "session 37's) | kernel ms (TF/s) | full ms (TF/s) | full, session 37's quantisation | cuDNN TF/s | full / cuDNN | quant share |")
+        "older) | kernel ms (TF/s) | full ms (TF/s) | full, older quantisation | cuDNN TF/s | full / cuDNN | quant share |")
     log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         log(f"| {r['shape']} | {r['copy_q_TBps']:.2f} | {r['qk_stride']} | {r['stats_ms']:.3f} ({r.get('stats_TBps', 0):.2f}) "

@@ -7,7 +7,7 @@ the same bf16 (or float32) inputs: Q and K per 128-row block (K centred by its m
 to 448, V per channel with its mean taken out; then V with the mean of its rounding error taken
 out too (what attention_fp8_quant._v_mean_fix_kernel does). Prints rel. L2 per key count. The outlier
 channels' second e4m3 term is left out, so the Q.K column is a bound for the kernel's.
-Session 41: V's rounding error grows with the key count for bf16 inputs only (the bf16 grid sits
+What it showed: V's rounding error grows with the key count for bf16 inputs only (the bf16 grid sits
 in a fixed relation to e4m3's for a channel's scale and mean), and its mean is what grows.
 """
 from __future__ import annotations

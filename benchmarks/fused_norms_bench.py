@@ -157,7 +157,7 @@ def run_shape(name, tokens, heads, head_dim, device, bench):
     row("gated residual", "torch addcmul (ComfyUI)", lambda: torch.addcmul(x, y, e[5]), passes=3)
     row("gated residual", "ours", lambda: grn.gated_residual(x, y, e[5]), ref, passes=3)
     # norm2 after the cross-attention: x + y, then LayerNorm + modulation, and (e4m3 rows) what
-    # the FFN's FP8 Linear reads: before session 32 torch's add, our LayerNorm + modulation and
+    # the FFN's FP8 Linear reads: before the fused pass torch's add, our LayerNorm + modulation and
     # the Linear's own quantisation; now one pass writing x, the output and its e4m3 rows.
     lf = importlib.import_module(pack.__name__ + ".kernels.linear.fp8")
 

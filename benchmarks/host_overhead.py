@@ -274,7 +274,7 @@ def main():
         "ComfyUI's attention function (SDPA)": lambda: comfy_attention(q, k, v, 24, skip_reshape=True,
                                                                     skip_output_reshape=True),
     }
-    # The host's speed drifts within a process (session 21: the same call 1.5x slower minutes
+    # The host's speed drifts within a process (the same call measured 1.5x slower minutes
     # later), so every path is timed in each of --rounds rounds, the order rotated per round,
     # and its row gives the fastest round (and the median): paths compare within one round's drift.
     samples: dict[str, list] = {name: [] for name in paths}

@@ -154,7 +154,7 @@ def baselines(shape, m0=None):
 
 # Our quantized paths, quantisation of Q/K/V included in their time (what a ComfyUI call costs).
 QUANTIZED_IMPLS = {"ours_fp8": "triton_fp8", "ours_int8": "triton_int8"}
-# DiT shapes whose accuracy is also judged on inputs with real-model outliers (issue #11's bars:
+# DiT shapes whose accuracy is also judged on inputs with real-model outliers (the quantized paths' bars:
 # outliers cos >= 0.9995 and rel. L2 <= 0.03; Gaussian cos >= 0.998 and rel. L2 <= 0.06).
 OUTLIER_SHAPES = {"flux_4608_d128", "wan14b_32760_d128", "hunyuan_33390_d128"}
 OUTLIER_IMPLS = ("ours", "ours_fp8", "ours_int8", "sdpa_cudnn", "sage1", "ck_int8")

@@ -42,10 +42,10 @@ SMALL = [("odd_d64", 1, 3, 3, 1000, 777, 64, "bhld"), ("gqa_d128", 1, 8, 2, 500,
          ("d40_view", 2, 4, 4, 1024, 1031, 40, "blhd"), ("d256", 1, 2, 2, 333, 4097, 256, "bhld"),
          ("cross_77", 2, 10, 10, 4096, 77, 64, "bhld")]
 # rel. L2 against float32 per path on Gaussian inputs: BF16 rounding of P and the output for
-# the 16-bit path (SDPA itself: ~2.3e-3), issue 11's Gaussian bar for the quantized ones.
+# the 16-bit path (SDPA itself: ~2.3e-3), the quantized paths' Gaussian bar for the quantized ones.
 SMALL_TOL = {"bf16": 8e-3, "fp8": 0.06, "int8": 0.06}
-# Issue 11's bars (cos >=, rel. L2 <=) per input kind for the quantized paths (INT8 at the
-# outlier inputs: 0.031-0.033 measured, session 18); the 16-bit path is held to its small-shape
+# The quantized paths' bars (cos >=, rel. L2 <=) per input kind (INT8 at the outlier
+# inputs: 0.031-0.033 measured); the 16-bit path is held to its small-shape
 # tolerance on both.
 BIG_TOL = {"outlier": {"bf16": (0.9999, 8e-3), "fp8": (0.9995, 0.03), "int8": (0.9995, 0.035)},
            "gauss": {"bf16": (0.9999, 8e-3), "fp8": (0.998, 0.06), "int8": (0.998, 0.06)}}

@@ -223,7 +223,7 @@ def test_rules_module_is_the_packs_file():
     assert Path(rules.__file__).resolve() == ROOT / "kernels" / "core" / "gpu_rules.py"
 
 
-# What auto times per architecture (issue 11), the way install.py announces it: the candidates
+# What auto times per architecture, the way install.py announces it: the candidates
 # in order, for the Triton the pack imports after install.py ran.
 AUTO_CANDIDATES = {
     "sm75": (rules.PATH_TRITON_INT8, rules.PATH_TRITON_FP16),  # Triton 3.2 only (3.3 dropped Turing)

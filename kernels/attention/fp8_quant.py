@@ -300,7 +300,7 @@ if triton is not None:
         was 0.028 rel. L2 of the output at 4608 keys and 0.040 at 33390, 0.021 at both once the
         bias is taken out (benchmarks/fp8_v_bias_emulation.py).
 
-        Why a second read of V instead of sums taken while quantising (sessions 41-42, H100):
+        Why a second read of V instead of sums taken while quantising (measured on an H100):
         any per-channel sum inside _fp8_quant_kernel made its V role need the tile in two
         layouts (rows of channels as loaded, rows of keys as stored), and Triton 3.6 computed
         the whole tile twice: 255 registers and a spill against 168 (ptxas, sm_90a), 2 resident
@@ -386,8 +386,8 @@ if triton is not None:
                 # Slot p of VT8 holds key v_key_order^-1(p) (inside p's 32-key group, so inside
                 # this tile). The permutation goes on the rows loaded, each still a contiguous
                 # head-dim vector, and not on the store: permuted store addresses are no longer
-                # affine in the key, and the store falls apart into single bytes (session 30 on
-                # the H100: Wan's quantisation took 16 % of the attention time, 3 % without).
+                # affine in the key, and the store falls apart into single bytes (on an H100
+                # Wan's quantisation took 16 % of the attention time that way, 3 % without).
                 src = (rows & -32) | (rows & 16) | ((rows >> 1) & 1) << 3 | ((rows >> 2) & 3) << 1 | (rows & 1)
             x = quant_rows(Xv, stride_vl, stride_vd, src, cols, LK, HEAD_DIM, v_mean[None, :], 1.0)
             y = tl.minimum(tl.maximum(x * inv_sv[None, :], -448.0), 448.0)

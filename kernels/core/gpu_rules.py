@@ -532,8 +532,8 @@ def feature_refusal(feature: str, triton_version: Optional[str]) -> Optional[Rul
 # between minors, so a kernel that compiles on a release (tests/compile, tests/versions) can
 # still compute something else there. Each Gluon Hopper kernel ("fp8": attention_gluon_hopper,
 # "bf16": attention_gluon_hopper_bf16) runs only on the Triton minors where it ran on an H100 /
-# H200 and matched float32 (benchmarks/triton_release_check.py; benchmarks/RESULTS.md, session
-# 45); on any other minor it is refused with the reason and the plain-Triton kernels serve.
+# H200 and matched float32 (benchmarks/triton_release_check.py; benchmarks/RESULTS.md);
+# on any other minor it is refused with the reason and the plain-Triton kernels serve.
 GLUON_GPU_VERIFIED: Dict[str, Tuple[Tuple[int, int], ...]] = {
     "fp8": ((3, 6),),
     "bf16": ((3, 6),),
