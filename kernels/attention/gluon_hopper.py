@@ -409,9 +409,9 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_fp8_gluon_fwd(
-        q_desc, qs_desc, k_desc, ks_desc, v_desc, SQ, SK, SV, VMEAN, O,
+        q_desc, qs_desc, k_desc, ks_desc, v_desc, ones_desc, SQ, SK, SV, VMEAN, O,
         stride_ob, stride_oh, stride_om, stride_od,
-        H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB,
+        H, LQ, LK, LQ_PAD, LK_PAD, NQB, NKB, N_TILES,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr,
         N_OUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
@@ -423,8 +423,11 @@ if gluon is not None:
         k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         ks_ring = gl.allocate_shared_memory(ks_desc.dtype, [STAGES] + ks_desc.block_type.shape, ks_desc.layout)
         v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        _ones_smem = gl.allocate_shared_memory(ones_desc.dtype, ones_desc.block_type.shape, ones_desc.layout)
         q_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_full.index(0), count=1)
+        mbarrier.init(q_empty.index(0), count=2)
         k_full, k_empty, v_full, v_empty = ring_barriers(STAGES)
         fence_async_shared()
 
@@ -464,7 +467,18 @@ def _block_shapes(block_n: int, block_d: int, side: int):
     """TMA box of each operand: Q / Q-side per warpgroup (64 rows), K / K-side per key tile,
     VT as [head dim, keys] (keys contiguous: the K-major B operand of P.V)."""
     return dict(q=[ROWS_PER_WARPGROUP, block_d], qs=[ROWS_PER_WARPGROUP, side], k=[block_n, block_d],
-                ks=[block_n, side], v=[block_d, block_n])
+                ks=[block_n, side], v=[block_d, block_n], ones=[8, block_n])
+
+
+# The kernel's ones_desc operand: 8 rows of e4m3 ones, one per device and key tile width, with
+# its TMA descriptor, kept for the process (1 KB). The kernel allocates its tile and never reads it.
+@lru_cache(maxsize=None)
+def _ones_descriptor(device: torch.device, block_n: int):
+    ones = torch.ones(8, block_n, device=device).to(torch.float8_e4m3fn)
+    return TensorDescriptor.from_tensor(ones, [8, block_n], _fp8_layout([8, block_n]))
+
+
+cache_registry.register("kernels.attention.gluon_hopper.ones_descriptor", _ones_descriptor.cache_clear)
 
 
 def default_config(device=None) -> dict:
@@ -522,10 +536,13 @@ def attention_gluon_fp8_quantized(qkv, q_shape, lk: int, dtype, device, config, 
                 k=qkv.k8.view(bh * lk_pad, block_d), ks=qkv.ks.view(bh * lk_pad, side),
                 v=qkv.vt8.view(bh * block_d, lk_pad))
     desc = {n: TensorDescriptor.from_tensor(t, shapes[n], _fp8_layout(shapes[n])) for n, t in flat.items()}
+    desc["ones"] = _ones_descriptor(torch.device(device), config["BLOCK_N"])
+    n_tiles = qkv.sq.shape[1] * bh
     grid = (qkv.sq.shape[1], bh)
     _attn_fp8_gluon_fwd[grid](
-        desc["q"], desc["qs"], desc["k"], desc["ks"], desc["v"], qkv.sq, qkv.sk, qkv.sv, qkv.vmean, out,
-        *out.stride(), H, Lq, lk, lq_pad, lk_pad, qkv.sq.shape[1], qkv.sk.shape[1],
+        desc["q"], desc["qs"], desc["k"], desc["ks"], desc["v"], desc["ones"], qkv.sq, qkv.sk, qkv.sv, qkv.vmean,
+        out,
+        *out.stride(), H, Lq, lk, lq_pad, lk_pad, qkv.sq.shape[1], qkv.sk.shape[1], n_tiles,
         HEAD_DIM=D, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"], N_OUT=qkv.n_outlier,
         CONSUMER_REGS=config["CONSUMER_REGS"], PRODUCER_REGS=config["PRODUCER_REGS"], num_warps=4,
         **LAUNCH_OPTIONS)
@@ -541,8 +558,8 @@ def compile_specs(dtype: str, head_dim: int, config: dict, n_outlier: int = N_OU
     side = max(2 * n_outlier, 16)
     shapes = _block_shapes(config["BLOCK_N"], block_d, side)
     descs = {f"{n}_desc": f"tensordesc<fp8e4nv[{', '.join(map(str, s))}],{_fp8_layout(s)!r}>" for n, s in shapes.items()}
-    names = ["q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "SQ", "SK", "SV", "VMEAN", "O",
-             "stride_ob", "stride_oh", "stride_om", "stride_od", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB"]
+    names = ["q_desc", "qs_desc", "k_desc", "ks_desc", "v_desc", "ones_desc", "SQ", "SK", "SV", "VMEAN", "O",
+             "stride_ob", "stride_oh", "stride_om", "stride_od", "H", "LQ", "LK", "LQ_PAD", "LK_PAD", "NQB", "NKB", "N_TILES"]
     types = dict(descs, O=f"*{dtype}", **{n: "*fp32" for n in ("SQ", "SK", "SV", "VMEAN")})
     sig = {n: types.get(n, "i32") for n in names}
     const = dict(stride_od=1, HEAD_DIM=head_dim, BLOCK_N=config["BLOCK_N"], BLOCK_D=block_d, STAGES=config["STAGES"],

@@ -185,7 +185,8 @@ def test_compile_specs_descriptors_parse(cfg, head_dim):
     (name, _, sig, const, _, warps), = glu.compile_specs("bf16", head_dim, glu.GLUON_CONFIGS[cfg])
     block_d = max(32, 1 << (head_dim - 1).bit_length())
     expect = dict(q_desc=[64, block_d], k_desc=[glu.GLUON_CONFIGS[cfg]["BLOCK_N"], block_d],
-                  v_desc=[block_d, glu.GLUON_CONFIGS[cfg]["BLOCK_N"]], qs_desc=[64, 32])
+                  v_desc=[block_d, glu.GLUON_CONFIGS[cfg]["BLOCK_N"]], qs_desc=[64, 32],
+                  ones_desc=[8, glu.GLUON_CONFIGS[cfg]["BLOCK_N"]])
     for arg, shape in expect.items():
         ty = str_to_ty(sig[arg], None)
         assert list(ty.block_type.shape) == shape, (arg, sig[arg])
@@ -219,6 +220,7 @@ def test_output_follows_q_layout(monkeypatch, layout):
     monkeypatch.setattr(glu, "gluon_refusal", lambda device: None)
     monkeypatch.setattr(glu, "quantize_for_config", lambda *a, **k: quantized)
     monkeypatch.setattr(glu.TensorDescriptor, "from_tensor", staticmethod(lambda *a, **k: None))
+    monkeypatch.setattr(glu, "_ones_descriptor", lambda *a: None)
     monkeypatch.setattr(glu, "_attn_fp8_gluon_fwd", Kernel())
     out = glu.attention_gluon_fp8(q, k, v)
     (args,) = launches
