@@ -10,10 +10,16 @@ cleanly in the frontend and queue once the user's model files are in place. Per 
 - wiring: each sampler's model comes through a Triton Accel patch node placed after the
   loader (or LoRA); every output of our nodes is connected;
 - against /object_info: every node type exists (frontend-only ones such as Note are exempt;
-  core nodes this ComfyUI lacks skip the workflow, ours missing fail), each socket and link
-  has the type ComfyUI declares ("*" matches anything), every required input is linked or has
-  a widget value, widgets_values has one value per widget (plus one per control_after_generate),
-  our combos hold values of their lists, core combos hold strings (model files differ per user);
+  a missing one fails on ComfyUI 0.3.64 and later, the versions the workflows must load in,
+  and skips the workflow on an older one), each socket and link has the type ComfyUI declares
+  ("*" matches anything), every required input is linked or has a widget value, widgets_values
+  has one value per widget (plus one per control_after_generate), our combos hold values of
+  their lists, core combos hold strings (model files differ per user);
+- the workflows are saved from ComfyUI 0.29 (WORKFLOWS_MADE_FOR). On an older ComfyUI (0.3.64)
+  a core node may lack a trailing widget or output that 0.29 added: its frontend ignores
+  widgets_values past its last widget and keeps a saved output it does not know as an
+  unconnected socket, so those are accepted there (with a warning naming them) as long as no
+  link uses such an output; our nodes must match exactly everywhere, and on 0.29 core nodes too;
 - against /prompt: the workflow converted to an API prompt as the frontend does it is refused
   only for model files this server lacks ("value_not_in_list" on a file name of a core node).
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -44,6 +51,14 @@ MODEL_FILE = re.compile(r".+\.(safetensors|sft|ckpt|pt|pth|bin|gguf)$", re.IGNOR
 TITLE_HEIGHT = 30  # LiteGraph draws the title bar above `pos`
 CHAR_WIDTH = 7  # about the width of a title character at the frontend's 14 px font
 SAMPLERS = {"KSampler", "KSamplerAdvanced", "SamplerCustom", "SamplerCustomAdvanced"}
+# The ComfyUI the workflows are saved from, and the oldest one they must load in (the issue:
+# "loads each in ComfyUI 0.29 and 0.3.64 and validates it against object_info").
+WORKFLOWS_MADE_FOR = (0, 29, 0)
+OLDEST_SUPPORTED = (0, 3, 64)
+
+
+class VersionDifferenceWarning(UserWarning):
+    """A core node of an older ComfyUI lacks a trailing widget or output of WORKFLOWS_MADE_FOR."""
 
 
 # ---- reading a workflow ------------------------------------------------------------------------
@@ -116,13 +131,29 @@ def _title(node: dict, object_info: dict) -> str:
     return object_info.get(node["type"], {}).get("display_name") or node["type"]
 
 
+def _version(comfy) -> tuple | None:
+    """(major, minor, patch) of the server's comfyui_version.py, None if unreadable."""
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", str(getattr(comfy, "version", "")))
+    return tuple(int(x) for x in found.groups()) if found else None
+
+
+def _older_than_made_for(comfy) -> bool:
+    version = _version(comfy)
+    return version is not None and version < WORKFLOWS_MADE_FOR
+
+
 def _require_node_types(wf: dict, object_info: dict, comfy) -> None:
     missing = sorted({n["type"] for n in wf["nodes"]} - FRONTEND_ONLY - set(object_info))
     ours = [t for t in missing if t.startswith(OUR_PREFIX)]
     assert not ours, f"our node types are not registered in this ComfyUI: {ours}"
-    if missing:
-        pytest.skip(f"ComfyUI {getattr(comfy, 'version', '?')} has no core node {', '.join(missing)} "
-                    f"(the example workflows are made for ComfyUI 0.29)")
+    if not missing:
+        return
+    version = _version(comfy)
+    message = f"ComfyUI {getattr(comfy, 'version', '?')} has no core node {', '.join(missing)}"
+    if version is not None and version < OLDEST_SUPPORTED:
+        pytest.skip(f"{message} (the example workflows must load in ComfyUI "
+                    f"{'.'.join(map(str, OLDEST_SUPPORTED))} and later)")
+    pytest.fail(f"{message}: the workflow does not load in this ComfyUI")
 
 
 # ---- the file itself -----------------------------------------------------------------------------
@@ -227,6 +258,9 @@ def test_matches_object_info(path, comfy, object_info):
     _require_node_types(wf, object_info, comfy)
     nodes, links = _nodes(wf), _links(wf)
     problems = []
+    # Core nodes of an older ComfyUI may lack trailing widgets / outputs that 0.29 added.
+    lenient = _older_than_made_for(comfy)
+    differences = []
     for node in wf["nodes"]:
         if node["type"] in FRONTEND_ONLY:
             continue
@@ -252,15 +286,27 @@ def test_matches_object_info(path, comfy, object_info):
             if required and not _is_widget(spec) and sockets.get(name, {}).get("link") is None:
                 problems.append(f"{where}: required input {name!r} is not connected")
 
-        outputs = info.get("output", [])
-        if [o["type"] for o in node["outputs"]] != list(outputs):
-            problems.append(f"{where}: outputs {[o['type'] for o in node['outputs']]} != ComfyUI's {outputs}")
+        outputs = list(info.get("output", []))
+        saved_outputs = [o["type"] for o in node["outputs"]]
+        extra_outputs = node["outputs"][len(outputs):]
+        if (lenient and not ours and saved_outputs[:len(outputs)] == outputs
+                and not any(o.get("links") for o in extra_outputs)):
+            # The frontend keeps an unknown saved output as an unconnected socket.
+            if extra_outputs:
+                differences.append(f"{where}: unconnected outputs {[o['name'] for o in extra_outputs]} "
+                                   f"that this ComfyUI does not declare")
+        elif saved_outputs != outputs:
+            problems.append(f"{where}: outputs {saved_outputs} != ComfyUI's {outputs}")
 
         slots = _widget_slots(info)
         values = node.get("widgets_values") or []
         required_count = len([s for s in slots if s[2]])
         if ours and len(values) != len(slots):
             problems.append(f"{where}: {len(values)} widget values for {len(slots)} widgets")
+        elif not ours and lenient and len(values) > len(slots):
+            # The frontend ignores widgets_values past its last widget.
+            differences.append(f"{where}: widget values {values[len(slots):]!r} past the {len(slots)} "
+                               f"widgets this ComfyUI declares (ignored by its frontend)")
         elif not ours and not required_count <= len(values) <= len(slots):
             # Core nodes gain optional widgets between ComfyUI versions; the frontend fills them in.
             problems.append(f"{where}: {len(values)} widget values, expected {required_count}..{len(slots)}")
@@ -286,13 +332,20 @@ def test_matches_object_info(path, comfy, object_info):
         source, target = nodes[src], nodes[dst]
         if source["type"] in FRONTEND_ONLY or target["type"] in FRONTEND_ONLY:
             continue
-        out_type = object_info[source["type"]]["output"][src_slot]
+        declared_outputs = object_info[source["type"]].get("output", [])
+        if src_slot >= len(declared_outputs):
+            problems.append(f"link {lid}: {source['type']} has no output {src_slot} in this ComfyUI "
+                            f"(outputs {declared_outputs})")
+            continue
+        out_type = declared_outputs[src_slot]
         in_name = target["inputs"][dst_slot]["name"]
         spec = dict((n, s) for n, s, _ in _ordered_inputs(object_info[target["type"]])).get(in_name)
         in_type = _spec_type(spec) if spec else "?"
         if not (_types_match(out_type, ltype) and _types_match(ltype, in_type)):
             problems.append(f"link {lid}: {source['type']} output {src_slot} ({out_type}) -> "
                             f"{target['type']}.{in_name} ({in_type}) as {ltype}")
+    for difference in differences:
+        warnings.warn(f"ComfyUI {comfy.version}: {difference}", VersionDifferenceWarning)
     assert not problems, "\n".join(problems)
 
 
