@@ -297,6 +297,41 @@ if triton is not None:
         y = tl.clamp(x * inv, -448.0, 448.0)
         tl.store(q_row + offs, to_e4m3(y, EXACT_CAST), mask=mask)
 
+    # ---- attention pieces (flash.py, fp8.py) ----
+
+    @triton.jit
+    def masked_softmax_tile(s, m_i, cols, offs_m, Mk, mask_rows, stride_mn, LK,
+                            MASK_KIND: tl.constexpr, MASK_ROW_BCAST: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                            BOUNDARY: tl.constexpr):
+        # One online-softmax step over a score tile s (already scaled by scale*log2(e)) that
+        # may hold -inf: the mask (bool: -inf where false; additive: + mask*log2(e)), the keys
+        # past LK on a BOUNDARY tile and the causal triangle. Returns (p, alpha, m_ij): the
+        # tile's exp2 weights, the factor that rescales the running sum and accumulator, and
+        # the new running max.
+        if MASK_KIND != 0:
+            if BOUNDARY:
+                mcols = tl.minimum(cols, LK - 1)  # clamped reads stay in bounds; masked below
+            else:
+                mcols = cols
+            if MASK_ROW_BCAST:
+                mval = tl.load(Mk + mcols * stride_mn)[None, :]
+            else:
+                mval = tl.load(Mk + mask_rows[:, None] + mcols[None, :] * stride_mn)
+            if MASK_KIND == 1:
+                s = tl.where(mval != 0, s, float("-inf"))
+            else:
+                s = s + mval.to(tl.float32) * 1.4426950408889634
+        if BOUNDARY:
+            s = tl.where(cols[None, :] < LK, s, float("-inf"))
+        if IS_CAUSAL:
+            s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing allowed yet keeps m = -inf; subtract 0 instead so p = 0, not NaN.
+        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        return p, alpha, m_ij
+
 
 def exact_bf16(x: torch.Tensor) -> bool:
     """The EXACT_BF16 constexpr of to_output_dtype(): a bf16 output under the interpreter."""
