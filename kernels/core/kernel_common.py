@@ -332,6 +332,30 @@ if triton is not None:
         alpha = tl.math.exp2(m_i - m_safe)
         return p, alpha, m_ij
 
+    @triton.jit
+    def store_smoothed_out(acc, l_i, m_i, sv, v_mean, O, LSE, off_b, off_h, bh64, offs_m, offs_d,
+                           stride_ob, stride_oh, stride_om, stride_od, LQ,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, RETURN_LSE: tl.constexpr,
+                           P_SCALED: tl.constexpr):
+        # The epilogue of the attention kernels with a quantised, mean-smoothed V (fp8_full.py,
+        # int8.py): out = acc / l * sv + v_mean (V's per-channel scale and the mean its
+        # quantiser took out), stored in O's dtype; with RETURN_LSE the natural-log logsumexp
+        # of the rows' scores from the log2-unit m and l. P_SCALED: P was formed times
+        # 2**LOG2_P_SCALE (an fp8 P.V), so log2(l) carries that shift. The scores are those of
+        # K minus its mean: the launcher adds scale * q.mean_k back.
+        out = acc * (sv[None, :] / l_i[:, None]) + v_mean[None, :]
+        O += off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+        o_ptrs = O + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
+        if BLOCK_D > HEAD_DIM:
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM))
+        else:
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < LQ)
+        if RETURN_LSE:
+            lse2 = m_i + tl.math.log2(l_i)
+            if P_SCALED:
+                lse2 = lse2 - LOG2_P_SCALE
+            tl.store(LSE + bh64 * LQ + offs_m, lse2 * 0.6931471805599453, mask=offs_m < LQ)
+
 
 def exact_bf16(x: torch.Tensor) -> bool:
     """The EXACT_BF16 constexpr of to_output_dtype(): a bf16 output under the interpreter."""
