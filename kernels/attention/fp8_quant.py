@@ -41,6 +41,9 @@ from ..core.kernel_common import tl, triton  # None, None where Triton does not 
 
 from ..core.kernel_common import LAUNCH_OPTIONS, LOG2E, cdiv  # noqa: E402  (one constant for every kernel)
 
+if triton is not None:
+    from ..core.kernel_common import reduce_stat_partials
+
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # Outlier channels given a second (residual) fp8 term. 2*N_OUT = 32 is the depth of one fp8
 # wgmma / mma k-step, so the side dot costs one instruction per score tile.
@@ -216,25 +219,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_D)
         plane = BH * NCH * BLOCK_D  # partials are small: int32 is enough
         P = PART + bh.to(tl.int64) * NCH * BLOCK_D
-        q_amax = tl.zeros([BLOCK_D], dtype=tl.float32)
-        k_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-        v_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-        k_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
-        k_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-        v_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
-        v_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-        # CH chunks per step: a Wan head has 64 chunks, one load chain each would be 64 deep.
-        for c0 in range(0, NCH, CH):
-            ch = c0 + tl.arange(0, CH)
-            ok = (ch < NCH)[:, None]
-            p = P + ch[:, None] * BLOCK_D + cols[None, :]
-            q_amax = tl.maximum(q_amax, tl.max(tl.load(p, mask=ok, other=0.0), 0))
-            k_sum += tl.sum(tl.load(p + plane, mask=ok, other=0.0), 0)
-            k_min = tl.minimum(k_min, tl.min(tl.load(p + 2 * plane, mask=ok, other=float("inf")), 0))
-            k_max = tl.maximum(k_max, tl.max(tl.load(p + 3 * plane, mask=ok, other=float("-inf")), 0))
-            v_sum += tl.sum(tl.load(p + 4 * plane, mask=ok, other=0.0), 0)
-            v_min = tl.minimum(v_min, tl.min(tl.load(p + 5 * plane, mask=ok, other=float("inf")), 0))
-            v_max = tl.maximum(v_max, tl.max(tl.load(p + 6 * plane, mask=ok, other=float("-inf")), 0))
+        q_amax, k_sum, k_min, k_max, v_sum, v_min, v_max = reduce_stat_partials(P, plane, cols, NCH, BLOCK_D, CH, True)
         cin = cols < HEAD_DIM
         k_mean = tl.where(cin, k_sum / K_ROWS, 0.0)
         v_mean = tl.where(cin, v_sum / LK, 0.0)

@@ -356,6 +356,35 @@ if triton is not None:
                 lse2 = lse2 - LOG2_P_SCALE
             tl.store(LSE + bh64 * LQ + offs_m, lse2 * 0.6931471805599453, mask=offs_m < LQ)
 
+    # ---- quantiser pieces (attention/fp8_quant.py, attention/int8_quant.py) ----
+
+    @triton.jit
+    def reduce_stat_partials(P, plane, cols, NCH, BLOCK_D: tl.constexpr, CH: tl.constexpr, WITH_Q: tl.constexpr):
+        # fp8_quant.fp8_stats_kernel's per-chunk partials of one (batch*head), NCH chunks at P
+        # (planes `plane` apart: max|q|, sum k, min k, max k, sum v, min v, max v), reduced
+        # over the chunks per channel. q_amax stays 0 unless WITH_Q.
+        q_amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+        k_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+        v_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+        k_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
+        k_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
+        v_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
+        v_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
+        # CH chunks per step: a Wan head has 64 chunks, one load chain each would be 64 deep.
+        for c0 in range(0, NCH, CH):
+            ch = c0 + tl.arange(0, CH)
+            ok = (ch < NCH)[:, None]
+            p = P + ch[:, None] * BLOCK_D + cols[None, :]
+            if WITH_Q:
+                q_amax = tl.maximum(q_amax, tl.max(tl.load(p, mask=ok, other=0.0), 0))
+            k_sum += tl.sum(tl.load(p + plane, mask=ok, other=0.0), 0)
+            k_min = tl.minimum(k_min, tl.min(tl.load(p + 2 * plane, mask=ok, other=float("inf")), 0))
+            k_max = tl.maximum(k_max, tl.max(tl.load(p + 3 * plane, mask=ok, other=float("-inf")), 0))
+            v_sum += tl.sum(tl.load(p + 4 * plane, mask=ok, other=0.0), 0)
+            v_min = tl.minimum(v_min, tl.min(tl.load(p + 5 * plane, mask=ok, other=float("inf")), 0))
+            v_max = tl.maximum(v_max, tl.max(tl.load(p + 6 * plane, mask=ok, other=float("-inf")), 0))
+        return q_amax, k_sum, k_min, k_max, v_sum, v_min, v_max
+
 
 def exact_bf16(x: torch.Tensor) -> bool:
     """The EXACT_BF16 constexpr of to_output_dtype(): a bf16 output under the interpreter."""
