@@ -455,6 +455,34 @@ def batch_vector(m: torch.Tensor, name: str, x: torch.Tensor, batch: int, channe
     return m2 if m2.stride(-1) == 1 else m2.contiguous()
 
 
+# ---- what every fused row kernel file (kernels/fused/*.py, linear/cat_fp8_rows.py) shares ----
+
+class RowKernelInputError(ValueError):
+    """A call a fused row kernel cannot serve; `.reason` says why (callers fall back). Each
+    kernel file subclasses it with its own name."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(reason)
+
+
+def raise_if_refused(device: torch.device, error) -> None:
+    """Raise error(reason) where row_kernel_refusal refuses `device`."""
+    reason = row_kernel_refusal(device)
+    if reason is not None:
+        raise error(reason)
+
+
+def register_custom_ops(register) -> str | None:
+    """Run a kernel file's torch.library registration: None, or why it failed (an older torch
+    without torch.library.custom_op; eager calls still work)."""
+    try:
+        register()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def row_kernel_refusal(device: torch.device) -> str | None:
     """Why a plain Triton row kernel (no dots, no arch-specific code: the fused norms) cannot
     run on `device`, or None."""
