@@ -48,11 +48,8 @@ MAX_HEAD_DIM = 128  # 128x128 fp32 accumulators: two of them (two-level P.V) fil
 
 # Per arch: BLOCK_M, BLOCK_N (also the quantisation block sizes), num_warps, num_stages,
 # TWO_LEVEL (P.V per tile into a fresh accumulator, added in fp32). sm90: the winner of
-# benchmarks/fp8_attention_bench.py's sweeps on the H200 (Triton 3.6, 2026-12-02,
-# benchmarks/RESULTS.md), attention alone in TFLOP/s:
-# Flux 128x128 8 warps 3 stages 582, 64x64 4w 553, 128x64 8w 499, 128x128 2 stages 456;
-# Wan 128x128 3 stages 677, 4 stages 675, 64x64 611, 128x64 591. One-level accumulation
-# measured 714 at Wan with the same accuracy there (rel. L2 0.0064 both on outlier inputs).
+# benchmarks/fp8_attention_bench.py's sweep (numbers in benchmarks/RESULTS.md); one-level
+# accumulation was as accurate there.
 # sm89/sm120: untimed, sized for ~100 KB of shared memory (39 KB as compiled by Triton 3.9).
 FP8_FULL_CONFIGS = {
     "sm90": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TWO_LEVEL=True),
