@@ -31,7 +31,7 @@ from ..core.kernel_common import (LAUNCH_OPTIONS, LOG2E, arch_family, dot_input_
                             is_out_of_resources, mask_layout, next_pow2, row_alignment, sm_count)
 
 if triton is not None:
-    from ..core.kernel_common import load_2d, row_offsets
+    from ..core.kernel_common import load_2d, masked_softmax_tile, row_offsets
 
 log = logging.getLogger("triton_accel.kernels.attention.flash")  # not __name__: the clone's folder name
 
@@ -42,24 +42,22 @@ log = logging.getLogger("triton_accel.kernels.attention.flash")  # not __name__:
 # attention_short_kv.py, does not take it: masked calls, small GPUs). Keys: BLOCK_M, BLOCK_N,
 # num_warps, num_stages, TMA (K/V through tensor descriptors, sm90+), WS (tl.range
 # warp_specialize), LAZY (lazy rescale).
-# sm90 values are the winners of benchmarks/run.py --sweep on an H200 (Triton 3.6, bf16,
-# 2026-12-02; numbers in benchmarks/RESULTS.md). TMA, WS and LAZY never won there, so they
-# stay off. The other archs are conservative choices from their shared-memory and register
-# budgets (sm86/89/120: ~100 KB shared memory per SM; sm80: 164 KB) until measured; the
-# launcher steps a config down if it still does not fit.
+# sm90 values are the winners of benchmarks/run.py --sweep (numbers in benchmarks/RESULTS.md).
+# TMA, WS and LAZY never won there, so they stay off. The other archs are conservative choices
+# from their shared-memory and register budgets (sm86/89/120: ~100 KB shared memory per SM;
+# sm80: 164 KB) until measured; the launcher steps a config down if it still does not fit.
 _SM90 = {
     "d16": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
     "d32": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
-    "d64": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),   # SDXL 4096: 391 TF/s
-    "d64p": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),   # SD1.5 d40: 252 TF/s
-    "d128": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),  # Flux 4608: 491 TF/s
-    "d128p": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),   # SD1.5 d80: 218, Lumina d96: 374
+    "d64": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
+    "d64p": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    "d128": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    "d128p": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     "d256": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-    "d256p": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),  # SD1.5 d160
-    "short": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),  # 4096 x 77 keys: 71 TF/s
+    "d256p": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    "short": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
     # <= 1024 keys: the key loop is short, so smaller tiles (more programs to overlap each
-    # other's prologue and epilogue) win: SDXL 1024 tokens 285 vs 244 TF/s (128x128), Wan
-    # cross-attention 32760 x 512 keys d128 405 vs 352 (128x128, 8 warps).
+    # other's prologue and epilogue) win (SDXL 1024 tokens, Wan's 512-key cross-attention).
     "d64m": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     "d128m": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
 }
@@ -173,29 +171,8 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None]
         else:
-            s = qk * qk_scale
-            if MASK_KIND != 0:
-                if BOUNDARY:
-                    mcols = tl.minimum(cols, LK - 1)  # clamped reads stay in bounds; masked below
-                else:
-                    mcols = cols
-                if MASK_ROW_BCAST:
-                    mval = tl.load(Mk + mcols * stride_mn)[None, :]
-                else:
-                    mval = tl.load(Mk + mask_rows[:, None] + mcols[None, :] * stride_mn)
-                if MASK_KIND == 1:
-                    s = tl.where(mval != 0, s, float("-inf"))
-                else:
-                    s = s + mval.to(tl.float32) * 1.4426950408889634
-            if BOUNDARY:
-                s = tl.where(cols[None, :] < LK, s, float("-inf"))
-            if IS_CAUSAL:
-                s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(s, 1))
-            # A row with nothing allowed yet keeps m = -inf; subtract 0 instead so p = 0, not NaN.
-            m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
+            p, alpha, m_ij = masked_softmax_tile(qk * qk_scale, m_i, cols, offs_m, Mk, mask_rows, stride_mn, LK,
+                                                 MASK_KIND, MASK_ROW_BCAST, IS_CAUSAL, BOUNDARY)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
         if USE_TMA:

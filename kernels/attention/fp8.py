@@ -49,7 +49,7 @@ from ..core.kernel_common import (LAUNCH_OPTIONS, LOG2E, arch_family, cdiv, fami
 from ..core.registry import BackendUnavailableError
 
 if triton is not None:
-    from ..core.kernel_common import row_offsets
+    from ..core.kernel_common import masked_softmax_tile, row_offsets
 
 log = logging.getLogger("triton_accel.kernels.attention.fp8")  # not __name__: the clone's folder name
 
@@ -206,28 +206,8 @@ if triton is not None:
             p = tl.math.exp2(s - m_ij[:, None])
             alpha = tl.math.exp2(m_i - m_ij)
         else:
-            if MASK_KIND != 0:
-                if BOUNDARY:
-                    mcols = tl.minimum(cols, LK - 1)  # clamped reads stay in bounds; masked below
-                else:
-                    mcols = cols
-                if MASK_ROW_BCAST:
-                    mval = tl.load(Mk + mcols * stride_mn)[None, :]
-                else:
-                    mval = tl.load(Mk + mask_rows[:, None] + mcols[None, :] * stride_mn)
-                if MASK_KIND == 1:
-                    s = tl.where(mval != 0, s, float("-inf"))
-                else:
-                    s = s + mval.to(tl.float32) * 1.4426950408889634
-            if BOUNDARY:
-                s = tl.where(cols[None, :] < LK, s, float("-inf"))
-            if IS_CAUSAL:
-                s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(s, 1))
-            # A row with nothing allowed yet keeps m = -inf; subtract 0 instead so p = 0, not NaN.
-            m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
+            p, alpha, m_ij = masked_softmax_tile(s, m_i, cols, offs_m, Mk, mask_rows, stride_mn, LK,
+                                                 MASK_KIND, MASK_ROW_BCAST, IS_CAUSAL, BOUNDARY)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v_ptrs = V + row_offsets(cols, stride_vn, ALIGN)[:, None] + offs_d[None, :] * stride_vd

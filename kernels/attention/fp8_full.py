@@ -39,6 +39,7 @@ from ..core.gpu_rules import min_capability_for
 from ..core.kernel_common import LAUNCH_OPTIONS, LOG2_P_SCALE, fp8_device_refusal
 
 if triton is not None:
+    from ..core.kernel_common import store_smoothed_out
     from .fp8_quant import cast_e4m3
 
 log = logging.getLogger("triton_accel.kernels.attention.fp8_full")  # not __name__: the clone's folder name
@@ -47,11 +48,8 @@ MAX_HEAD_DIM = 128  # 128x128 fp32 accumulators: two of them (two-level P.V) fil
 
 # Per arch: BLOCK_M, BLOCK_N (also the quantisation block sizes), num_warps, num_stages,
 # TWO_LEVEL (P.V per tile into a fresh accumulator, added in fp32). sm90: the winner of
-# benchmarks/fp8_attention_bench.py's sweeps on the H200 (Triton 3.6, 2026-12-02,
-# benchmarks/RESULTS.md), attention alone in TFLOP/s:
-# Flux 128x128 8 warps 3 stages 582, 64x64 4w 553, 128x64 8w 499, 128x128 2 stages 456;
-# Wan 128x128 3 stages 677, 4 stages 675, 64x64 611, 128x64 591. One-level accumulation
-# measured 714 at Wan with the same accuracy there (rel. L2 0.0064 both on outlier inputs).
+# benchmarks/fp8_attention_bench.py's sweep (numbers in benchmarks/RESULTS.md); one-level
+# accumulation was as accurate there.
 # sm89/sm120: untimed, sized for ~100 KB of shared memory (39 KB as compiled by Triton 3.9).
 FP8_FULL_CONFIGS = {
     "sm90": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, TWO_LEVEL=True),
@@ -140,18 +138,8 @@ if triton is not None:
 
         sv = tl.load(SV + bh64 * BLOCK_D + offs_d)
         v_mean = tl.load(VMEAN + bh64 * BLOCK_D + offs_d)
-        out = acc * (sv[None, :] / l_i[:, None]) + v_mean[None, :]
-        O += off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-        o_ptrs = O + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
-        if BLOCK_D > HEAD_DIM:
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM))
-        else:
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < LQ)
-        if RETURN_LSE:
-            # log2 units with p scaled by 2**LOG2_P_SCALE, so log2(l) carries that shift. The
-            # scores are those of K minus its mean: the launcher adds scale * q.mean_k back.
-            lse2 = m_i + tl.math.log2(l_i) - LOG2_P_SCALE
-            tl.store(LSE + bh64 * LQ + offs_m, lse2 * 0.6931471805599453, mask=offs_m < LQ)
+        store_smoothed_out(acc, l_i, m_i, sv, v_mean, O, LSE, off_b, off_h, bh64, offs_m, offs_d,
+                           stride_ob, stride_oh, stride_om, stride_od, LQ, HEAD_DIM, BLOCK_D, RETURN_LSE, True)
 
 
 # ---- checks -------------------------------------------------------------------------------

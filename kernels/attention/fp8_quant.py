@@ -41,6 +41,9 @@ from ..core.kernel_common import tl, triton  # None, None where Triton does not 
 
 from ..core.kernel_common import LAUNCH_OPTIONS, LOG2E, cdiv  # noqa: E402  (one constant for every kernel)
 
+if triton is not None:
+    from ..core.kernel_common import reduce_stat_partials
+
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # Outlier channels given a second (residual) fp8 term. 2*N_OUT = 32 is the depth of one fp8
 # wgmma / mma k-step, so the side dot costs one instruction per score tile.
@@ -54,23 +57,18 @@ STATS_ROWS = 512  # rows per stats program of the INT8 quantisation (FP8: QUANT_
 # loop's loads software-pipelined STATS_STAGES deep; QUANT_WARPS for the quantising kernel
 # (None: 8 for 128x128 tiles, else 4); Q_SAMPLE: the stats read Q's rows only in every
 # Q_SAMPLE-th chunk (Q's statistics only rank the outlier channels; K and V are read whole).
-# benchmarks/fp8_quant_bench.py --sweep on the H200 (Triton 3.6, 2026-12-03, device time of the
-# stats kernel, Flux / Wan / HunyuanVideo): 0.054 / 0.441 / 0.277 ms unpipelined (2.3 TB/s at
-# Wan), 0.036 / 0.285 / 0.181 with STATS_STAGES=3 (3.5 TB/s); 128- or 256-row programs, 64-row
-# steps and 8 warps were all slower; Q_SAMPLE=4 saved 0.06 ms at Wan unpipelined (left at 1).
-# Picking the outlier columns out of the register tile with tl.gather instead of loading them
-# again measured slower (Wan quantising kernel 0.95 ms against 0.58), so they are reloaded.
+# STATS_STAGES=3 and the rest are the winners of benchmarks/fp8_quant_bench.py --sweep (the
+# stats kernel a third faster pipelined; 128- or 256-row programs, 64-row steps and 8 warps
+# slower; Q_SAMPLE > 1 saved little, left at 1). The outlier columns are loaded again: picking
+# them out of the register tile with tl.gather was slower.
 # QK_STRIDE: the statistics read every QK_STRIDE-th row of Q and K (V whole) where that still
 # leaves QK_MIN_ROWS rows of each. Exact enough because nothing needs them exactly: K's mean
 # only centres K (softmax(q.(k - m)) = softmax(q.k) for ANY vector m, and each K block gets its
 # own scale from its own rows in the quantising pass), and max|q|, K's extrema only rank the
 # outlier channels. V's mean and extrema stay exact: V's per-channel scale must bound every
 # value (a sampled maximum could clip). Q and K are 2/3 of the statistics' bytes.
-# Measured (H100, fp8_quant_bench.py --sweep with QK_STRIDE=8, device ms of the three kernels at
-# Flux / Wan / HunyuanVideo): 0.089 / 0.863 / 0.553 (QK_STRIDE=1: 0.108 / 1.021 / 0.651);
-# STATS_ROWS=1024 0.089 / 0.818 / 0.516 (half the chunks: the finalising pass 0.042 -> 0.023 ms
-# at Wan); QUANT_WARPS=4 for 128x128 tiles 0.089 / 0.807 / 0.521 (quantising pass 0.627 -> 0.569
-# at Wan); both are the defaults since.
+# QK_STRIDE=8, STATS_ROWS=1024 (half the chunks for the finalising pass) and QUANT_WARPS=4 for
+# 128x128 tiles each made the three kernels faster in fp8_quant_bench.py --sweep.
 # V_MEAN_FIX: take V's mean rounding error out of vmean (_v_mean_fix_kernel; 0 gives V's exact
 # mean, for comparisons: benchmarks/fp8_quant_bench.py --sweep times both).
 QUANT_TUNING = dict(STATS_ROWS=2 * STATS_ROWS, STATS_SUB=None, STATS_WARPS=4, STATS_STAGES=3, QUANT_WARPS=4,
@@ -216,25 +214,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_D)
         plane = BH * NCH * BLOCK_D  # partials are small: int32 is enough
         P = PART + bh.to(tl.int64) * NCH * BLOCK_D
-        q_amax = tl.zeros([BLOCK_D], dtype=tl.float32)
-        k_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-        v_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-        k_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
-        k_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-        v_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
-        v_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-        # CH chunks per step: a Wan head has 64 chunks, one load chain each would be 64 deep.
-        for c0 in range(0, NCH, CH):
-            ch = c0 + tl.arange(0, CH)
-            ok = (ch < NCH)[:, None]
-            p = P + ch[:, None] * BLOCK_D + cols[None, :]
-            q_amax = tl.maximum(q_amax, tl.max(tl.load(p, mask=ok, other=0.0), 0))
-            k_sum += tl.sum(tl.load(p + plane, mask=ok, other=0.0), 0)
-            k_min = tl.minimum(k_min, tl.min(tl.load(p + 2 * plane, mask=ok, other=float("inf")), 0))
-            k_max = tl.maximum(k_max, tl.max(tl.load(p + 3 * plane, mask=ok, other=float("-inf")), 0))
-            v_sum += tl.sum(tl.load(p + 4 * plane, mask=ok, other=0.0), 0)
-            v_min = tl.minimum(v_min, tl.min(tl.load(p + 5 * plane, mask=ok, other=float("inf")), 0))
-            v_max = tl.maximum(v_max, tl.max(tl.load(p + 6 * plane, mask=ok, other=float("-inf")), 0))
+        q_amax, k_sum, k_min, k_max, v_sum, v_min, v_max = reduce_stat_partials(P, plane, cols, NCH, BLOCK_D, CH, True)
         cin = cols < HEAD_DIM
         k_mean = tl.where(cin, k_sum / K_ROWS, 0.0)
         v_mean = tl.where(cin, v_sum / LK, 0.0)

@@ -49,6 +49,7 @@ from ..core.gpu_rules import (amd_arch_blocker, amd_int8_refusal, capability_ref
 from ..core.kernel_common import LAUNCH_OPTIONS, LOG2_P_SCALE, arch_family, family_in
 
 if triton is not None:
+    from ..core.kernel_common import store_smoothed_out
     from .fp8_quant import cast_e4m3
 
 PV_MODES = ("fp16", "fp8")
@@ -162,20 +163,8 @@ if triton is not None:
 
         sv = tl.load(SV + bhk64 * BLOCK_D + offs_d) * v_dequant
         v_mean = tl.load(VMEAN + bhk64 * BLOCK_D + offs_d)
-        out = acc * (sv[None, :] / l_i[:, None]) + v_mean[None, :]
-        O += off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-        o_ptrs = O + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
-        if BLOCK_D > HEAD_DIM:
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM))
-        else:
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < LQ)
-        if RETURN_LSE:
-            # log2 units; the fp8 P.V scaled p (and so l) by 2**LOG2_P_SCALE. The scores are
-            # those of K minus its mean: the launcher adds scale * q.mean_k back.
-            lse2 = m_i + tl.math.log2(l_i)
-            if PV_FP8:
-                lse2 = lse2 - LOG2_P_SCALE
-            tl.store(LSE + bh64 * LQ + offs_m, lse2 * 0.6931471805599453, mask=offs_m < LQ)
+        store_smoothed_out(acc, l_i, m_i, sv, v_mean, O, LSE, off_b, off_h, bh64, offs_m, offs_d,
+                           stride_ob, stride_oh, stride_om, stride_od, LQ, HEAD_DIM, BLOCK_D, RETURN_LSE, PV_FP8)
 
 
 # ---- checks -------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from .fp8_quant import compile_specs as _fp8_quant_specs
 from ..core.kernel_common import LAUNCH_OPTIONS, LOG2E, cdiv
 
 if triton is not None:
+    from ..core.kernel_common import reduce_stat_partials
     from .fp8_quant import fp8_stats_kernel, quant_rows, cast_e4m3
 
 INT8_MAX = 127.0
@@ -88,23 +89,7 @@ if triton is not None:
         cin = cols < HEAD_DIM
         plane = BHK * NCHK * BLOCK_D  # partials are small: int32 is enough
         P = PART_KV + bhk.to(tl.int64) * NCHK * BLOCK_D
-        k_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-        v_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-        k_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
-        k_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-        v_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
-        v_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-        # CH chunks per step: a Wan head has 64 chunks, one load chain each would be 64 deep.
-        for c0 in range(0, NCHK, CH):
-            ch = c0 + tl.arange(0, CH)
-            ok = (ch < NCHK)[:, None]
-            p = P + ch[:, None] * BLOCK_D + cols[None, :]
-            k_sum += tl.sum(tl.load(p + plane, mask=ok, other=0.0), 0)
-            k_min = tl.minimum(k_min, tl.min(tl.load(p + 2 * plane, mask=ok, other=float("inf")), 0))
-            k_max = tl.maximum(k_max, tl.max(tl.load(p + 3 * plane, mask=ok, other=float("-inf")), 0))
-            v_sum += tl.sum(tl.load(p + 4 * plane, mask=ok, other=0.0), 0)
-            v_min = tl.minimum(v_min, tl.min(tl.load(p + 5 * plane, mask=ok, other=float("inf")), 0))
-            v_max = tl.maximum(v_max, tl.max(tl.load(p + 6 * plane, mask=ok, other=float("-inf")), 0))
+        _, k_sum, k_min, k_max, v_sum, v_min, v_max = reduce_stat_partials(P, plane, cols, NCHK, BLOCK_D, CH, False)
         k_mean = tl.where(cin, k_sum / LK, 0.0)
         v_mean = tl.where(cin, v_sum / LK, 0.0)
         v_dev = tl.where(cin, tl.maximum(v_max - v_mean, v_mean - v_min), 0.0)

@@ -31,8 +31,7 @@ if triton is not None:
 # Per arch family: query rows per tile, warps, pipeline depth of the Q-tile loop, and how many
 # programs to start per multiprocessor (each then walks its share of the query tiles).
 SHORT_KV_CONFIGS = {
-    # H200 sweep (benchmarks/run.py --sweep, bf16): 4096x77 d64 91 TF/s, 1024x77 d64 65,
-    # 4096x77 d40 49 (eager, L2 flushed); 128-row tiles and 8 warps were no faster.
+    # The winner of benchmarks/run.py --sweep: 128-row tiles and 8 warps were no faster.
     "sm90": dict(BLOCK_M=64, num_warps=4, num_stages=4, PROGRAMS_PER_SM=2),
     # Not measured: sm90's winning shape, one stage fewer for A100's smaller shared memory.
     "sm80": dict(BLOCK_M=64, num_warps=4, num_stages=3, PROGRAMS_PER_SM=2),

@@ -12,14 +12,14 @@ the reason, remembered per call signature, so the node hands that call (and the 
 the signature) to ComfyUI's attention instead of failing the sampler.
 
 How another pack reaches this module whatever its folder name and load order: the pack
-publishes it as sys.modules["triton_accel"] when it loads (nodes/extension_hooks.py), and calls
+publishes it as sys.modules["triton_accel"] when it loads (runtime/extension_hooks.py), and calls
 a module-level `register_triton_accel(api)` of every custom-node pack loaded before it.
 docs/extension_api.md has the recipe; this file knows nothing of ComfyUI.
 
 Linear (register_linear): fn(x, weight, bias) -> y, with LinearConstraints (device, capability,
 dtypes, feature ranges and multiples, min tokens). It joins the registry's "linear" op by name
 only, next to our quantised methods; the Linear patch node forces it ("ext:<name>" in the
-Settings node's `linear`) or, in auto, walks it by priority with ours (nodes/patch_linear.py).
+Settings node's `linear`) or, in auto, walks it by priority with ours (runtime/linear_state.py).
 Its calls go through the same guard (run_linear): failures raise ExtensionCallError, remembered
 per call signature. One name space for both kinds, so unregister(name) is never ambiguous.
 """
@@ -166,7 +166,7 @@ _served: Counter = Counter()  # path -> calls served
 _failure_counts: dict[str, Counter] = {}  # path -> {reason: calls handed back}
 _generation = [0]  # bumped by every register/unregister: callers key their caches on it
 # How many Linear extensions are registered. A list item, read by linear_count(): torch.compile
-# guards on it where a traced patch reads it, so registering one re-traces (nodes/patch_linear.py).
+# guards on it where a traced patch reads it, so registering one re-traces (runtime/linear_layer.py).
 _linear_count = [0]
 cache_registry.register("kernels.core.extensions.failures", _failures.clear)
 cache_registry.register("kernels.core.extensions.checked", _checked.clear)

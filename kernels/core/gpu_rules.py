@@ -2,10 +2,11 @@
 
 Which devices our Triton kernels can serve, which attention paths each may take, and why
 not, decided from plain facts (vendor, compute capability, versions). Four readers use it
-and must never disagree: the Settings node (`nodes/settings.py`, `nodes/device_probe.py`), the kernel registry
-(`kernels/attention/dispatch.py`, each kernel's refusal), and `install.py`, which loads this file by
-path (ComfyUI Manager runs install.py before torch or Triton may import), so nothing here
-imports anything outside the standard library.
+and must never disagree: the Settings node (`nodes/settings_node.py`, `runtime/settings.py`,
+`runtime/device_probe.py`), the kernel registry (`kernels/attention/dispatch.py`, each
+kernel's refusal), and `install.py`, which loads this file by path (ComfyUI Manager runs
+install.py before torch or Triton may import), so nothing here imports anything outside the
+standard library.
 
 Rules, each with a code the callers compare (never the message text):
 - Triton must import, and on a GPU it must compile and run a test kernel.
@@ -18,7 +19,7 @@ Rules, each with a code the callers compare (never the message text):
   sm_90 / sm_100: FP8, FP16/BF16; sm_89 / sm_120: FP8 (INT8 Q.K + FP8 P.V where the INT8
   kernel offers it, else full FP8), INT8, FP16/BF16; sm_80 / sm_86 / sm_87 and sm_75 with
   Triton <= 3.2: INT8, FP16/BF16. A quantized path is kept only where it measured faster and
-  agreed with ComfyUI's output (nodes/speed_choice.py).
+  agreed with ComfyUI's output (runtime/speed_choice.py).
 - AMD (ROCm): per gfx family (amd_family): CDNA3 gfx942, CDNA4 gfx950, RDNA3 gfx11, RDNA4
   gfx12 are what our kernels are compile-tested for (tests/compile/test_compile_amd.py);
   other gfx archs get PyTorch. None has run on AMD hardware here, so `auto` keeps PyTorch

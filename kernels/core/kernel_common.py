@@ -297,6 +297,94 @@ if triton is not None:
         y = tl.clamp(x * inv, -448.0, 448.0)
         tl.store(q_row + offs, to_e4m3(y, EXACT_CAST), mask=mask)
 
+    # ---- attention pieces (flash.py, fp8.py) ----
+
+    @triton.jit
+    def masked_softmax_tile(s, m_i, cols, offs_m, Mk, mask_rows, stride_mn, LK,
+                            MASK_KIND: tl.constexpr, MASK_ROW_BCAST: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                            BOUNDARY: tl.constexpr):
+        # One online-softmax step over a score tile s (already scaled by scale*log2(e)) that
+        # may hold -inf: the mask (bool: -inf where false; additive: + mask*log2(e)), the keys
+        # past LK on a BOUNDARY tile and the causal triangle. Returns (p, alpha, m_ij): the
+        # tile's exp2 weights, the factor that rescales the running sum and accumulator, and
+        # the new running max.
+        if MASK_KIND != 0:
+            if BOUNDARY:
+                mcols = tl.minimum(cols, LK - 1)  # clamped reads stay in bounds; masked below
+            else:
+                mcols = cols
+            if MASK_ROW_BCAST:
+                mval = tl.load(Mk + mcols * stride_mn)[None, :]
+            else:
+                mval = tl.load(Mk + mask_rows[:, None] + mcols[None, :] * stride_mn)
+            if MASK_KIND == 1:
+                s = tl.where(mval != 0, s, float("-inf"))
+            else:
+                s = s + mval.to(tl.float32) * 1.4426950408889634
+        if BOUNDARY:
+            s = tl.where(cols[None, :] < LK, s, float("-inf"))
+        if IS_CAUSAL:
+            s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing allowed yet keeps m = -inf; subtract 0 instead so p = 0, not NaN.
+        m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        return p, alpha, m_ij
+
+    @triton.jit
+    def store_smoothed_out(acc, l_i, m_i, sv, v_mean, O, LSE, off_b, off_h, bh64, offs_m, offs_d,
+                           stride_ob, stride_oh, stride_om, stride_od, LQ,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, RETURN_LSE: tl.constexpr,
+                           P_SCALED: tl.constexpr):
+        # The epilogue of the attention kernels with a quantised, mean-smoothed V (fp8_full.py,
+        # int8.py): out = acc / l * sv + v_mean (V's per-channel scale and the mean its
+        # quantiser took out), stored in O's dtype; with RETURN_LSE the natural-log logsumexp
+        # of the rows' scores from the log2-unit m and l. P_SCALED: P was formed times
+        # 2**LOG2_P_SCALE (an fp8 P.V), so log2(l) carries that shift. The scores are those of
+        # K minus its mean: the launcher adds scale * q.mean_k back.
+        out = acc * (sv[None, :] / l_i[:, None]) + v_mean[None, :]
+        O += off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+        o_ptrs = O + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
+        if BLOCK_D > HEAD_DIM:
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < HEAD_DIM))
+        else:
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < LQ)
+        if RETURN_LSE:
+            lse2 = m_i + tl.math.log2(l_i)
+            if P_SCALED:
+                lse2 = lse2 - LOG2_P_SCALE
+            tl.store(LSE + bh64 * LQ + offs_m, lse2 * 0.6931471805599453, mask=offs_m < LQ)
+
+    # ---- quantiser pieces (attention/fp8_quant.py, attention/int8_quant.py) ----
+
+    @triton.jit
+    def reduce_stat_partials(P, plane, cols, NCH, BLOCK_D: tl.constexpr, CH: tl.constexpr, WITH_Q: tl.constexpr):
+        # fp8_quant.fp8_stats_kernel's per-chunk partials of one (batch*head), NCH chunks at P
+        # (planes `plane` apart: max|q|, sum k, min k, max k, sum v, min v, max v), reduced
+        # over the chunks per channel. q_amax stays 0 unless WITH_Q.
+        q_amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+        k_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+        v_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+        k_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
+        k_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
+        v_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
+        v_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
+        # CH chunks per step: a Wan head has 64 chunks, one load chain each would be 64 deep.
+        for c0 in range(0, NCH, CH):
+            ch = c0 + tl.arange(0, CH)
+            ok = (ch < NCH)[:, None]
+            p = P + ch[:, None] * BLOCK_D + cols[None, :]
+            if WITH_Q:
+                q_amax = tl.maximum(q_amax, tl.max(tl.load(p, mask=ok, other=0.0), 0))
+            k_sum += tl.sum(tl.load(p + plane, mask=ok, other=0.0), 0)
+            k_min = tl.minimum(k_min, tl.min(tl.load(p + 2 * plane, mask=ok, other=float("inf")), 0))
+            k_max = tl.maximum(k_max, tl.max(tl.load(p + 3 * plane, mask=ok, other=float("-inf")), 0))
+            v_sum += tl.sum(tl.load(p + 4 * plane, mask=ok, other=0.0), 0)
+            v_min = tl.minimum(v_min, tl.min(tl.load(p + 5 * plane, mask=ok, other=float("inf")), 0))
+            v_max = tl.maximum(v_max, tl.max(tl.load(p + 6 * plane, mask=ok, other=float("-inf")), 0))
+        return q_amax, k_sum, k_min, k_max, v_sum, v_min, v_max
+
 
 def exact_bf16(x: torch.Tensor) -> bool:
     """The EXACT_BF16 constexpr of to_output_dtype(): a bf16 output under the interpreter."""
@@ -365,6 +453,34 @@ def batch_vector(m: torch.Tensor, name: str, x: torch.Tensor, batch: int, channe
                     f"([{batch} or 1, 1, {channels}])")
     m2 = m.reshape(shape)
     return m2 if m2.stride(-1) == 1 else m2.contiguous()
+
+
+# ---- what every fused row kernel file (kernels/fused/*.py, linear/cat_fp8_rows.py) shares ----
+
+class RowKernelInputError(ValueError):
+    """A call a fused row kernel cannot serve; `.reason` says why (callers fall back). Each
+    kernel file subclasses it with its own name."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(reason)
+
+
+def raise_if_refused(device: torch.device, error) -> None:
+    """Raise error(reason) where row_kernel_refusal refuses `device`."""
+    reason = row_kernel_refusal(device)
+    if reason is not None:
+        raise error(reason)
+
+
+def register_custom_ops(register) -> str | None:
+    """Run a kernel file's torch.library registration: None, or why it failed (an older torch
+    without torch.library.custom_op; eager calls still work)."""
+    try:
+        register()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def row_kernel_refusal(device: torch.device) -> str | None:

@@ -27,7 +27,6 @@ Rows up to MAX_CHANNELS are held in registers (Wan 1536 / 5120).
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -37,22 +36,17 @@ from ..core.kernel_common import tl, triton  # None, None where Triton does not 
 from ..core import direct_launch
 from ..core.kernel_common import (batch_vector, exact_bf16, fp8_row_outputs, layer_norm_inputs, next_pow2,
                             row_kernel_refusal, row_warps, rows_2d)
+from ..core.kernel_common import RowKernelInputError, raise_if_refused, register_custom_ops
 
 if triton is not None:
     from ..core.kernel_common import layer_norm_row, round_unfused, store_fp8_row, to_output_dtype
-
-log = logging.getLogger("triton_accel.kernels.fused.gated_residual_norm")  # not __name__: the clone's folder name
 
 OP_QUALNAME = "triton_accel::gated_residual_norm"
 MAX_CHANNELS = 16384
 
 
-class GatedResidualInputError(ValueError):
+class GatedResidualInputError(RowKernelInputError):
     """A call the fused kernel cannot serve; `.reason` says why (callers fall back)."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-        super().__init__(reason)
 
 
 if triton is not None:
@@ -206,18 +200,12 @@ def _register_op() -> None:
         return outs
 
 
-_REGISTRATION_ERROR: str | None = None
-try:
-    _register_op()
-except Exception as e:  # an older torch without torch.library.custom_op: eager calls still work
-    _REGISTRATION_ERROR = f"{type(e).__name__}: {e}"
+_REGISTRATION_ERROR = register_custom_ops(_register_op)  # None: registered
 
 
 def _call(x, y, gate, eps, weight, bias, norm: bool, fp8_rows: bool = False,
           round_product: bool = False) -> list[torch.Tensor]:
-    reason = refusal(x.device)
-    if reason is not None:
-        raise GatedResidualInputError(reason)
+    raise_if_refused(x.device, GatedResidualInputError)
     if _REGISTRATION_ERROR is None and torch.compiler.is_compiling():
         batch, _, channels = _check(x, y, weight, bias)
         if gate is not None:

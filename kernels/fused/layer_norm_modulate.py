@@ -29,7 +29,6 @@ to MAX_CHANNELS are held in registers (Wan 1536 / 5120, Flux 3072, HunyuanVideo 
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -39,23 +38,18 @@ from ..core.kernel_common import tl, triton  # None, None where Triton does not 
 from ..core import direct_launch
 from ..core.kernel_common import (batch_vector, exact_bf16, fp8_row_outputs, layer_norm_inputs, next_pow2,
                             row_kernel_refusal, row_warps, rows_2d)
+from ..core.kernel_common import RowKernelInputError, raise_if_refused, register_custom_ops
 
 if triton is not None:
     from ..core.kernel_common import layer_norm_row, round_unfused, store_fp8_row, to_output_dtype
-
-log = logging.getLogger("triton_accel.kernels.fused.layer_norm_modulate")  # not __name__: the clone's folder name
 
 OP_QUALNAME = "triton_accel::layer_norm_modulate"
 ROWS_OP_QUALNAME = "triton_accel::residual_layer_norm_modulate"
 MAX_CHANNELS = 16384
 
 
-class LayerNormModulateInputError(ValueError):
+class LayerNormModulateInputError(RowKernelInputError):
     """A call the fused kernel cannot serve; `.reason` says why (callers fall back)."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-        super().__init__(reason)
 
 
 if triton is not None:
@@ -232,11 +226,7 @@ def _register_op() -> None:
         return outs
 
 
-_REGISTRATION_ERROR: str | None = None
-try:
-    _register_op()
-except Exception as e:  # an older torch without torch.library.custom_op: eager calls still work
-    _REGISTRATION_ERROR = f"{type(e).__name__}: {e}"
+_REGISTRATION_ERROR = register_custom_ops(_register_op)  # None: registered
 
 
 def layer_norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
@@ -253,9 +243,7 @@ def _traced(x, shift, scale, weight, bias) -> bool:
     """Whether the call goes through the custom op (torch.compile tracing: the op's inputs are
     checked here, the fake cannot). Raises LayerNormModulateInputError where the device cannot
     run the kernel."""
-    reason = refusal(x.device)
-    if reason is not None:
-        raise LayerNormModulateInputError(reason)
+    raise_if_refused(x.device, LayerNormModulateInputError)
     if _REGISTRATION_ERROR is not None or not torch.compiler.is_compiling():
         return False
     batch, _, channels = _check(x, weight, bias)

@@ -24,7 +24,6 @@ channels are held in registers: Wan's 1536 (1.3B) and 5120 (14B) fit.
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -33,11 +32,10 @@ from ..core.kernel_common import tl, triton  # None, None where Triton does not 
 
 from ..core import direct_launch
 from ..core.kernel_common import exact_bf16, next_pow2, row_kernel_refusal
+from ..core.kernel_common import RowKernelInputError, raise_if_refused, register_custom_ops
 
 if triton is not None:
     from ..core.kernel_common import to_output_dtype
-
-log = logging.getLogger("triton_accel.kernels.fused.norm_rope")  # not __name__: the clone's folder name
 
 OP_QUALNAME = "triton_accel::rms_norm_rope"
 MAX_CHANNELS = 16384  # one row in registers: 8192 pairs x 2 fp32 values spread over 16 warps
@@ -47,12 +45,8 @@ NORM_ROPE_WARPS = ((1024, 4), (4096, 8), (MAX_CHANNELS // 2, 16))
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class NormRopeInputError(ValueError):
+class NormRopeInputError(RowKernelInputError):
     """A call the fused RMSNorm + RoPE cannot serve; `.reason` says why (callers fall back)."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-        super().__init__(reason)
 
 
 if triton is not None:
@@ -211,11 +205,7 @@ def _register_op() -> None:
         return x.new_empty(x.shape)
 
 
-_REGISTRATION_ERROR: str | None = None
-try:
-    _register_op()
-except Exception as e:  # an older torch without torch.library.custom_op: eager calls still work
-    _REGISTRATION_ERROR = f"{type(e).__name__}: {e}"
+_REGISTRATION_ERROR = register_custom_ops(_register_op)  # None: registered
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, freqs: torch.Tensor, eps: float,
@@ -223,9 +213,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, freqs: torch.Ten
     """RMSNorm over x's last dim (optionally times `weight`), then RoPE per head of `head_dim`
     channels with ComfyUI's float32 freqs; same shape and dtype as x. Raises NormRopeInputError
     for a call it cannot serve (checked before anything runs)."""
-    reason = refusal(x.device)
-    if reason is not None:
-        raise NormRopeInputError(reason)
+    raise_if_refused(x.device, NormRopeInputError)
     if _REGISTRATION_ERROR is None and torch.compiler.is_compiling():
         _check(x, weight, freqs, head_dim)
         return torch.ops.triton_accel.rms_norm_rope(x, weight, freqs, float(eps), int(head_dim))

@@ -15,19 +15,16 @@ Numerics: as torch's rms_norm in the input dtype: mean of squares, rsqrt, times 
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import direct_launch
 from ..core.kernel_common import cdiv, exact_bf16, next_pow2, row_kernel_refusal
+from ..core.kernel_common import RowKernelInputError, raise_if_refused, register_custom_ops
 
 if triton is not None:
     from ..core.kernel_common import to_output_dtype
-
-log = logging.getLogger("triton_accel.kernels.fused.qk_norm")  # not __name__: the clone's folder name
 
 OP_QUALNAME = "triton_accel::qk_rms_norm"
 MAX_HEAD_DIM = 512
@@ -37,12 +34,8 @@ ROWS_PER_PROGRAM = 32
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class QKNormInputError(ValueError):
+class QKNormInputError(RowKernelInputError):
     """A call the fused QK norm cannot serve; `.reason` says why (callers fall back)."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-        super().__init__(reason)
 
 
 if triton is not None:
@@ -170,11 +163,7 @@ def _register_op() -> None:
         return q.new_empty(q.shape), q.new_empty(q.shape)
 
 
-_REGISTRATION_ERROR: str | None = None
-try:
-    _register_op()
-except Exception as e:  # an older torch without torch.library.custom_op: eager calls still work
-    _REGISTRATION_ERROR = f"{type(e).__name__}: {e}"
+_REGISTRATION_ERROR = register_custom_ops(_register_op)  # None: registered
 
 
 def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -182,9 +171,7 @@ def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
     """(rms_norm(q) * q_weight, rms_norm(k) * k_weight) over the head dim of [B, H, L, D] q and k
     (any strides with a contiguous head dim), returned contiguous in their dtype. Raises
     QKNormInputError for a call it cannot serve (checked before anything runs)."""
-    reason = refusal(q.device)
-    if reason is not None:
-        raise QKNormInputError(reason)
+    raise_if_refused(q.device, QKNormInputError)
     if _REGISTRATION_ERROR is None and torch.compiler.is_compiling():
         check_inputs(q, k, q_weight, k_weight)
         return tuple(torch.ops.triton_accel.qk_rms_norm(q, k, q_weight, k_weight, float(eps)))

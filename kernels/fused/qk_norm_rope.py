@@ -30,8 +30,6 @@ Numerics follow ComfyUI's two ops, rounding where they round:
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..core.kernel_common import tl, triton  # None, None where Triton does not import
@@ -40,12 +38,11 @@ from ..core import direct_launch
 
 from . import qk_norm
 from ..core.kernel_common import cdiv, exact_bf16, row_kernel_refusal
+from ..core.kernel_common import raise_if_refused, register_custom_ops
 from .norm_rope import NormRopeInputError, freqs_table
 
 if triton is not None:
     from ..core.kernel_common import to_output_dtype
-
-log = logging.getLogger("triton_accel.kernels.fused.qk_norm_rope")  # not __name__: the clone's folder name
 
 OP_QUALNAME = "triton_accel::qk_rms_norm_rope"
 # Head dims the kernel holds as one power-of-two block of channel pairs (Flux, Chroma,
@@ -193,11 +190,7 @@ def _register_op() -> None:
         return None
 
 
-_REGISTRATION_ERROR: str | None = None
-try:
-    _register_op()
-except Exception as e:  # an older torch without torch.library.custom_op: eager calls still work
-    _REGISTRATION_ERROR = f"{type(e).__name__}: {e}"
+_REGISTRATION_ERROR = register_custom_ops(_register_op)  # None: registered
 
 
 def qk_rms_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
@@ -207,9 +200,7 @@ def qk_rms_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k
     `freqs` over the whole output sequence and [B, H, L_out, D] outputs of any strides (a
     contiguous head dim, 16-byte aligned rows). Raises QKNormRopeInputError for a call it cannot
     serve, before anything is written."""
-    reason = refusal(q.device)
-    if reason is not None:
-        raise QKNormRopeInputError(reason)
+    raise_if_refused(q.device, QKNormRopeInputError)
     if _REGISTRATION_ERROR is None and torch.compiler.is_compiling():
         _check(q, k, q_weight, k_weight, q_out, k_out, offset)
         torch.ops.triton_accel.qk_rms_norm_rope(q, k, q_weight, k_weight, float(eps), freqs, q_out, k_out,

@@ -14,31 +14,24 @@ its e4m3 rows with per-row scales in linear_fp8.quantize_activation's format and
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..core.kernel_common import tl, triton  # None, None where Triton does not import
 
 from ..core import direct_launch
 from ..core.kernel_common import fp8_row_outputs, next_pow2, row_kernel_refusal, row_warps, rows_2d
+from ..core.kernel_common import RowKernelInputError, register_custom_ops
 
 if triton is not None:
     from ..core.kernel_common import store_fp8_row_parts
-
-log = logging.getLogger("triton_accel.kernels.linear.cat_fp8_rows")  # not __name__: the clone's folder name
 
 OP_QUALNAME = "triton_accel::cat_fp8_rows"
 MAX_PART = 16384  # channels of each piece held in registers (Flux's MLP half: 12288)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class CatRowsInputError(ValueError):
+class CatRowsInputError(RowKernelInputError):
     """A call the kernel cannot serve; `.reason` says why (callers concatenate with torch)."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-        super().__init__(reason)
 
 
 if triton is not None:
@@ -120,11 +113,7 @@ def _register_op() -> None:
                 a.new_empty((rows,), dtype=torch.float32))
 
 
-_REGISTRATION_ERROR: str | None = None
-try:
-    _register_op()
-except Exception as e:  # an older torch without torch.library.custom_op: eager calls still work
-    _REGISTRATION_ERROR = f"{type(e).__name__}: {e}"
+_REGISTRATION_ERROR = register_custom_ops(_register_op)  # None: registered
 
 
 def cat_fp8_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

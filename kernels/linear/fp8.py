@@ -69,18 +69,14 @@ log = logging.getLogger("triton_accel.kernels.linear.fp8")  # not __name__: the 
 # TMA (tensor descriptors, Hopper+).
 # sm90: the FP8 persistent-TMA tile of Triton's matmul tutorial (128x256x128, 3 stages: 208 KB
 # of shared memory with the epilogue's TMA-store buffer; 8 warps = two warpgroups of 64 rows).
-# benchmarks/linear_bench.py's sweep on the H200 (Triton 3.6, 2026-12-02, Flux/Wan shapes,
-# GEMM alone, two runs): it won against 128x128 / 256x128 tiles, BLOCK_K 64 and the pointer-load
-# variant (TMA +1-15 %); GROUP_M 8/16/32 differ within the +-3 % run-to-run spread except
-# Flux's MLP up (16: +5-8 %) and down (8: +3 %), so 16. 1168-1317 TFLOP/s GEMM alone.
+# It won benchmarks/linear_bench.py's sweep against 128x128 / 256x128 tiles, BLOCK_K 64 and the
+# pointer-load variant; GROUP_M 16 for Flux's MLP up and down (8/16/32 tie elsewhere).
 # sm89 / sm120 (~100 KB of shared memory, mma.sync): 128x128x64 x 3 stages = 48 KB, untimed.
 # SPLIT_TAIL (sm90, interpreter): the last, partial wave of tiles may be split along K
 # (tail_split); the value is a split's fixed cost in K tiles of MMA time (~0.9 us each for
-# 128x256x128 e4m3 at 1200 TFLOP/s). sm90's 12 is measured: on an H100 (2026-12-06, Triton 3.6)
-# a split into 2 cost ~9 us more than half the K loop (the partials' stores and the counter's
-# fence, then the last slice's summing and epilogue, 32 rows at a time), so splits of Flux's
-# K = 3072 GEMMs (24 K tiles) measured 1-14 % slower and are not taken, those of K = 12288 /
-# 15360 (96 / 120 K tiles) 8-24 % faster.
+# 128x256x128 e4m3). sm90's 12: a split into 2 costs ~9 us more than half the K loop
+# (benchmarks/linear_bench.py; the partials' stores, the counter's fence, the last slice's sum),
+# so Flux's K = 3072 GEMMs (24 K tiles) are not split and those of K = 12288 / 15360 are.
 LINEAR_FP8_CONFIGS = {
     "sm90": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=3, TMA=True,
                  SPLIT_TAIL=12),
