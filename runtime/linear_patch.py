@@ -188,6 +188,13 @@ def patched_linear_text(patched, settings: AccelSettings) -> str:
         return f"{text}\nLinear: could not probe device {str(device)!r}; each call is decided when it arrives"
 
 
+def dynamic_vram_line(state) -> str:
+    """What streamed layers get, for the node, while ComfyUI's dynamic VRAM is on; "" otherwise."""
+    if state is None or not _dynamic_vram_enabled():
+        return ""
+    return f"ComfyUI's dynamic VRAM is on: {DYNAMIC_VRAM_TEXT.get(state.dynamic_vram, state.dynamic_vram)}"
+
+
 def _dynamic_vram_enabled() -> bool:
     """ComfyUI runs with dynamic VRAM (comfy-aimdo): what its main.py sets once aimdo is up."""
     return bool(getattr(sys.modules.get("comfy.memory_management"), "aimdo_enabled", False))
