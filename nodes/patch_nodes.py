@@ -99,8 +99,8 @@ def _linear_inputs() -> dict:
 
 
 # What users type into the node search to find the Linear nodes (the frontend matches these too).
-LINEAR_SEARCH_ALIASES = ["linear", "matmul", "gemm", "quantize", "w8a8", "fp8", "int8", "speed", "fast", "triton",
-                         "accelerate", "optimize"]
+LINEAR_SEARCH_ALIASES = ["linear", "matmul", "gemm", "quantize", "w8a8", "fp8", "int8", "speed", "fast",
+                         "triton", "accelerate", "optimize"]
 
 
 class TritonAccelPatchLinear:

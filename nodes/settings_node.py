@@ -5,7 +5,7 @@ import logging
 from ..kernels.core import extensions
 from ..kernels.core.gpu_rules import LINEAR_MODES, MODES
 from .node_text import settings_text
-from ..runtime.settings import (DEVICE_AUTO, SEARCH_ALIASES, SETTINGS_TYPE, AccelSettings, DeviceChoiceError,
+from ..runtime.settings import (DEVICE_AUTO, SETTINGS_TYPE, AccelSettings, DeviceChoiceError,
                                 default_device, device_choices, linear_mode_choices, linear_mode_labels,
                                 mode_choices, mode_labels, parse_device)
 
@@ -20,7 +20,9 @@ class TritonAccelSettings:
                    "result. Turing with Triton 3.3+, AMD, older GPUs and the CPU keep PyTorch attention in auto. "
                    "Shows the decision for the GPU, the expected or measured speed-up and, where something is "
                    "missing, the next step.")
-    SEARCH_ALIASES = SEARCH_ALIASES
+    # One spelling each (the Attention and Patch nodes carry the variants and rank first for them).
+    SEARCH_ALIASES = ["settings", "attention", "sage", "flash", "fp8", "int8", "speed", "triton", "accelerate",
+                      "optimize"]
     RETURN_TYPES = (SETTINGS_TYPE,)
     RETURN_NAMES = ("settings",)
     OUTPUT_TOOLTIPS = ("Connect to a Triton Accel patch node.",)
