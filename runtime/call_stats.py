@@ -132,6 +132,7 @@ def model_label(model) -> str:
         if label is not None:
             if label not in _models:  # dropped from the bounded table: back, with fresh counts
                 _models[label] = {"model_class": family, "kinds": {}}
+            _models.move_to_end(label)  # the table lists the most recently patched model last
             return label
         label = _new_label_locked(family, set(_live_labels.values()))
         _live_labels[key] = label
