@@ -14,6 +14,7 @@ in /triton_accel/status). Nothing here raises: a node must still patch and pass 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 from pathlib import Path
 
@@ -23,11 +24,14 @@ from ..kernels.core import gpu_rules
 from ..runtime import speed_choice
 from ..runtime.decision_text import log_decision
 from ..runtime.device_probe import probe, summary
+from ..runtime.linear_patch import dynamic_vram_line
 from ..runtime.linear_state import extension_plan_text, fallback_summary
 from ..runtime.settings import AccelSettings, default_device
+from . import benchmark_node
 
 log = logging.getLogger("triton_accel")
 
+MAX_RESULT_BYTES = 2 * 1024 * 1024  # as status.MAX_FILE_BYTES: a bigger file is not the benchmark's
 NOT_MEASURED = "speed-up: not measured yet"
 CPU_NEXT = "next: these nodes pass the model through; an NVIDIA or AMD GPU is needed"
 MEASURE_NEXT = ("next: run a generation (auto times each new shape on its first call) or the Triton Accel "
@@ -63,9 +67,10 @@ def benchmark_speedup(device: torch.device, result: dict | None = None) -> str:
     node's last result ran on `device` on a GPU; "" otherwise."""
     try:
         if result is None:
-            from . import benchmark_node
-            from .status import read_json_file
-            result, _ = read_json_file(Path(benchmark_node.last_result_path()))
+            path = Path(benchmark_node.last_result_path())
+            if not path.is_file() or path.stat().st_size > MAX_RESULT_BYTES:
+                return ""
+            result = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(result, dict) or result.get("interpreter") or str(result.get("device")) != str(device):
             return ""
         speedup = ((result.get("summary") or {}).get("both") or {}).get("speedup")
@@ -178,7 +183,6 @@ def patch_text(patched, label: str, settings: AccelSettings, *, attention: bool,
             if _is_ours(lin):
                 plan = extension_plan_text(settings, device)
                 lines += [plan] if plan else []
-            from ..runtime.linear_patch import dynamic_vram_line
             lines += [line for line in (dynamic_vram_line(state),) if line]
         speed = speed_line(device, att, lin, devices=speed_choice.model_devices(label) | {str(device)})
         lines += [speed] + [line for line in (next_step(device, att, lin, speed),) if line]

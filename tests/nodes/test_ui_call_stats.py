@@ -47,24 +47,25 @@ def test_family_of_anything_never_raises(model):
 
 
 def test_label_stays_for_one_loaded_model_across_runs_and_clones():
-    model = _comfy_model("SDXL", "SDXL")
+    model = _comfy_model("StableRunsModel")
     clone = type("ModelPatcher", (), {"model": model.model})()  # ModelPatcher.clone shares .model
     labels = {call_stats.model_label(model) for _ in range(5)} | {call_stats.model_label(clone)}
-    assert labels == {"SDXL"}
-    assert [k for k in call_stats.snapshot()["models"] if k.startswith("SDXL")] == ["SDXL"]
+    assert labels == {"StableRunsModel"}
+    assert [k for k in call_stats.snapshot()["models"] if k.startswith("StableRunsModel")] == ["StableRunsModel"]
 
 
 def test_two_loaded_models_of_one_family_get_two_labels_and_a_freed_one_is_reused():
     import gc
 
-    first, second = _comfy_model("Flux", "Flux"), _comfy_model("Flux", "Flux")
-    assert (call_stats.model_label(first), call_stats.model_label(second)) == ("Flux", "Flux #2")
-    call_stats.record("triton", path="triton_fp16", model="Flux")
+    family = "TwoLoadedModel"  # a family no other test loads
+    first, second = _comfy_model(family), _comfy_model(family)
+    assert (call_stats.model_label(first), call_stats.model_label(second)) == (family, f"{family} #2")
+    call_stats.record("triton", path="triton_fp16", model=family)
     del first
     gc.collect()
-    third = _comfy_model("Flux", "Flux")
-    assert call_stats.model_label(third) == "Flux"  # not Flux #3: numbers do not grow run after run
-    assert call_stats.snapshot()["models"]["Flux"]["kinds"] == {}  # the new model starts at 0
+    third = _comfy_model(family)
+    assert call_stats.model_label(third) == family  # not #3: numbers do not grow run after run
+    assert call_stats.snapshot()["models"][family]["kinds"] == {}  # the new model starts at 0
 
 
 def test_original_keys_unchanged_and_attention_only():
