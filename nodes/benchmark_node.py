@@ -315,8 +315,8 @@ class TritonAccelBenchmark:
                        "A bar chart per recorded shape: ours vs PyTorch, speed-up and accuracy.")
     FUNCTION = "run"
     OUTPUT_NODE = True
-    SEARCH_ALIASES = ["benchmark", "speed test", "speed", "chart", "attention", "triton", "fp8", "sage",
-                      "measure"]
+    # No "sage" / "flash": those searches are for the Attention and Patch nodes.
+    SEARCH_ALIASES = ["benchmark", "speed test", "speed", "chart", "attention", "triton", "fp8", "measure"]
 
     @classmethod
     def INPUT_TYPES(cls):

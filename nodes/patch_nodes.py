@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from ..runtime import step_graph
 from ..runtime.attention_patch import fused_norms_wanted, override_of, patch_attention
-from ..runtime.decision_text import patched_model_text
 from ..runtime.fused_norms import patch_fused_norms
 from ..runtime.linear_common import DYNAMIC_VRAM_AUTO, DYNAMIC_VRAM_MODES, MIN_TOKENS, SKIP_AUTO
-from ..runtime.linear_patch import patch_linear_layers, patched_linear_text
+from ..runtime.linear_patch import patch_linear_layers
 from ..runtime.settings import SEARCH_ALIASES as ATTENTION_SEARCH_ALIASES
 from ..runtime.settings import SETTINGS_TYPE, AccelSettings
+from .node_text import patch_text
 
 
 def installs_line(attention: bool, linear: bool, fused_norms: int, step_graphs) -> str:
@@ -32,12 +32,19 @@ def installs_line(attention: bool, linear: bool, fused_norms: int, step_graphs) 
     return "installs: " + ", ".join(parts)
 
 
+def node_ui(text: str, label: str, kinds: list[str]) -> dict:
+    """A patch node's UI output. triton_accel_model / triton_accel_kinds: the web extension adds
+    the model's calls served / handed back of these kinds (from /triton_accel/status) under the text."""
+    return {"text": [text], "triton_accel_model": [label], "triton_accel_kinds": list(kinds)}
+
+
 class TritonAccelPatchAttention:
     CATEGORY = "Triton Accel"
     DESCRIPTION = ("Puts Triton Accel's attention into a model (SD1.5, SDXL, SD3, Flux, Wan, HunyuanVideo, LTXV, "
-                   "Qwen-Image, Lumina 2...). Calls it cannot serve go to ComfyUI's own attention. Shows the "
-                   "patched model's label and the path chosen for its GPU; the Triton Accel side panel counts "
-                   "the calls served and handed back per model.")
+                   "Qwen-Image, Lumina 2...): a Triton flash-attention kernel (FP8/INT8 where the GPU has them), "
+                   "an alternative to SageAttention. Calls it cannot serve go to ComfyUI's own attention. Shows "
+                   "the model, the path chosen for its GPU, the expected or measured speed-up and, after a run, "
+                   "the calls served and handed back.")
     SEARCH_ALIASES = ATTENTION_SEARCH_ALIASES
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model with Triton Accel attention (the input model is left untouched).",)
@@ -61,9 +68,9 @@ class TritonAccelPatchAttention:
         label = override_of(patched).label
         graphs = step_graph.install(patched, label)
         norms = patch_fused_norms(patched, label) if fused_norms_wanted(settings) else 0
-        text = f"{patched_model_text(patched, label, settings)}\n{installs_line(True, False, norms, graphs)}"
-        # triton_accel_model: the web extension matches the node to its counts in /triton_accel/status.
-        return {"ui": {"text": [text], "triton_accel_model": [label]}, "result": (patched,)}
+        text = patch_text(patched, label, settings, attention=True, linear=False,
+                          installs=installs_line(True, False, norms, graphs))
+        return {"ui": node_ui(text, label, ["attention"]), "result": (patched,)}
 
 
 def _dynamic_vram_input() -> dict:
@@ -92,15 +99,17 @@ def _linear_inputs() -> dict:
 
 
 # What users type into the node search to find the Linear nodes (the frontend matches these too).
-LINEAR_SEARCH_ALIASES = ["linear", "matmul", "gemm", "quantize", "w8a8", "fp8", "int8", "speed", "fast", "triton",
-                         "accelerate", "optimize"]
+LINEAR_SEARCH_ALIASES = ["linear", "matmul", "gemm", "quantize", "w8a8", "fp8", "int8", "speed", "fast",
+                         "triton", "accelerate", "optimize"]
 
 
 class TritonAccelPatchLinear:
     CATEGORY = "Triton Accel"
     DESCRIPTION = ("Runs the diffusion model's Linear layers through Triton Accel's quantised matmul (FP8 W8A8 on "
                    "sm_89+, INT8 W8A8 on sm_75-sm_86, FP8 weight-only for FP8 checkpoints on sm_80/86). The first "
-                   "call checks each layer against ComfyUI's Linear; calls it cannot serve go to ComfyUI's Linear.")
+                   "call checks each layer against ComfyUI's Linear; calls it cannot serve go to ComfyUI's Linear. "
+                   "Shows the method chosen for the GPU, the expected or measured speed-up and, after a run, the "
+                   "calls served and handed back.")
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("The same model with Triton Accel Linear layers (the input model is left untouched).",)
     FUNCTION = "patch"
@@ -122,14 +131,18 @@ class TritonAccelPatchLinear:
         patched = patch_linear_layers(model, settings, skip, min_tokens, dynamic_vram=dynamic_vram)
         state = patched.triton_accel_linear
         graphs = step_graph.install(patched, state.label, state)
-        text = f"{patched_linear_text(patched, settings)}\n{installs_line(False, True, 0, graphs)}"
-        return {"ui": {"text": [text]}, "result": (patched,)}
+        text = patch_text(patched, state.label, settings, attention=False, linear=True,
+                          installs=installs_line(False, True, 0, graphs))
+        return {"ui": node_ui(text, state.label, ["linear"]), "result": (patched,)}
 
 
 class TritonAccelPatch:
     CATEGORY = "Triton Accel"
-    DESCRIPTION = ("Triton Accel Patch Attention and Patch Linear in one node: our attention and our quantised "
-                   "Linear layers, each decided per GPU by the Settings node (or auto).")
+    DESCRIPTION = ("Triton Accel Attention and Triton Accel Linear in one node: our attention (a Triton "
+                   "flash-attention kernel, FP8/INT8 where the GPU has them) and our quantised Linear layers, each "
+                   "decided per GPU by Triton Accel Settings (or auto). Shows the decision, the expected or "
+                   "measured speed-up and, after a run, the calls served and handed back. On a CPU it passes the "
+                   "model through.")
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = (("The same model with Triton Accel attention and Linear layers (the input model is left "
                         "untouched)."),)
@@ -148,6 +161,6 @@ class TritonAccelPatch:
         norms = patch_fused_norms(patched, label) if fused_norms_wanted(settings) else 0
         patched = patch_linear_layers(patched, settings, skip, min_tokens, label=label, dynamic_vram=dynamic_vram)
         graphs = step_graph.install(patched, label, patched.triton_accel_linear)
-        text = (f"{patched_model_text(patched, label, settings)}\n{patched_linear_text(patched, settings)}\n"
-                f"{installs_line(True, True, norms, graphs)}")
-        return {"ui": {"text": [text]}, "result": (patched,)}
+        text = patch_text(patched, label, settings, attention=True, linear=True,
+                          installs=installs_line(True, True, norms, graphs))
+        return {"ui": node_ui(text, label, ["attention", "linear"]), "result": (patched,)}

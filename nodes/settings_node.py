@@ -4,8 +4,8 @@ import logging
 
 from ..kernels.core import extensions
 from ..kernels.core.gpu_rules import LINEAR_MODES, MODES
-from ..runtime.decision_text import decision_text
-from ..runtime.settings import (DEVICE_AUTO, SEARCH_ALIASES, SETTINGS_TYPE, AccelSettings, DeviceChoiceError,
+from .node_text import settings_text
+from ..runtime.settings import (DEVICE_AUTO, SETTINGS_TYPE, AccelSettings, DeviceChoiceError,
                                 default_device, device_choices, linear_mode_choices, linear_mode_labels,
                                 mode_choices, mode_labels, parse_device)
 
@@ -17,8 +17,12 @@ class TritonAccelSettings:
     DESCRIPTION = ("Picks the attention path for each GPU and shows the choice and why. auto: our Triton FP16/BF16 "
                    "kernel (and FP8 on sm_89+, INT8 on Turing/Ampere, where the GPU has them) is timed against "
                    "ComfyUI's own attention at each shape and kept only where it is faster and gives the same "
-                   "result. Turing with Triton 3.3+, AMD, older GPUs and the CPU keep PyTorch attention in auto.")
-    SEARCH_ALIASES = SEARCH_ALIASES
+                   "result. Turing with Triton 3.3+, AMD, older GPUs and the CPU keep PyTorch attention in auto. "
+                   "Shows the decision for the GPU, the expected or measured speed-up and, where something is "
+                   "missing, the next step.")
+    # One spelling each (the Attention and Patch nodes carry the variants and rank first for them).
+    SEARCH_ALIASES = ["settings", "attention", "sage", "flash", "fp8", "int8", "speed", "triton", "accelerate",
+                      "optimize"]
     RETURN_TYPES = (SETTINGS_TYPE,)
     RETURN_NAMES = ("settings",)
     OUTPUT_TOOLTIPS = ("Connect to a Triton Accel patch node.",)
@@ -47,7 +51,7 @@ class TritonAccelSettings:
                 }),
                 "linear": (linear_mode_choices(), {
                     "default": "auto",
-                    "tooltip": "Linear layers (Triton Accel Patch Linear / Patch): auto: FP8 W8A8 on sm_89+, "
+                    "tooltip": "Linear layers (Triton Accel Linear / Patch): auto: FP8 W8A8 on sm_89+, "
                                "INT8 W8A8 on sm_75-sm_86 (FP8 weight-only on sm_80/86 for FP8 checkpoints), "
                                "ComfyUI's Linear elsewhere; Linear extensions of other packs join by priority "
                                "there. fp8 / int8 / fp8_weight_only: force that method. ext:<name>: the Linear "
@@ -75,7 +79,7 @@ class TritonAccelSettings:
         settings = AccelSettings(mode, linear_mode=linear)
         try:
             target = parse_device(device) or default_device()
-            text = decision_text(settings, target)
+            text = settings_text(settings, target)
         except DeviceChoiceError as e:
             log.warning("Triton Accel: %s", e)
             text = f"{e}. The model still runs; each GPU gets its own decision when the model runs on it."

@@ -24,7 +24,8 @@ from ..kernels.core import extensions, gpu_rules
 from ..runtime import call_stats, linear_choice, speed_choice
 from ..runtime.device_probe import cached_facts, probe, summary
 from ..runtime.settings import decisions_made, linear_decisions_made, user_facing
-from . import benchmark_node
+from ..runtime import step_graph
+from . import benchmark_node, node_text
 
 log = logging.getLogger("triton_accel")
 
@@ -87,10 +88,25 @@ def device_status(device: torch.device) -> dict:
     return entry
 
 
-def _counts_for_people(counts: dict) -> dict:
+# What each kind of count is, in the panel's words.
+KIND_LABELS = {call_stats.KIND_ATTENTION: "attention", call_stats.KIND_LINEAR: "Linear",
+               "norms": "fused norms", step_graph.KIND: "whole-step replay (CUDA graphs)"}
+# Reasons recorded in the engine's terms, said plainly (the recorded text stays in `reason`).
+PLAIN_REASONS = {
+    step_graph.REASON_NOT_CUDA: "the model runs on the CPU: whole-step replay needs an NVIDIA GPU",
+    step_graph.REASON_OFF: "turned off (environment variable TRITON_ACCEL_STEP_GRAPH)",
+    step_graph.REASON_WARMING: "first steps run as usual while the replay warms up",
+    step_graph.REASON_RECORDING: "the step that records the replay runs as usual",
+    step_graph.REASON_AUTOGRAD: "autograd is recording (training or a gradient-based node)",
+    step_graph.REASON_MULTIGPU: "the model runs on several GPUs (MultiGPU threads)",
+}
+
+
+def _counts_for_people(counts: dict, kind: str = "") -> dict:
     reasons = sorted(counts["reasons"].items(), key=lambda kv: -kv[1])
     return {"served": counts["served"], "handed_back": counts["handed_back"], "paths": counts["paths"],
-            "reasons": [{"reason": r, "calls": n} for r, n in reasons]}
+            "kind_label": KIND_LABELS.get(kind, kind),
+            "reasons": [{"reason": r, "plain": PLAIN_REASONS.get(r, r), "calls": n} for r, n in reasons]}
 
 
 def _speed_lines_of(label: str, rows: list[dict] | None) -> list[str]:
@@ -104,13 +120,32 @@ def _speed_lines_of(label: str, rows: list[dict] | None) -> list[str]:
         return []
 
 
+def model_speed_line(label: str, speed_rows: list[dict], devices: list[torch.device] | None = None) -> str:
+    """One line for the model's node and panel entry: auto's measured speed-up on the devices the
+    model ran on, or the last benchmark's; none on a CPU; "not measured yet" otherwise."""
+    try:
+        devices = devices if devices is not None else visible_devices()
+        ran_on = speed_choice.model_devices(label)
+        gpus = [d for d in devices if d.type != "cpu"]
+        if not gpus:
+            return "speed-up: none on a CPU (ComfyUI's attention and Linear run unchanged)"
+        where = [d for d in gpus if str(d) in ran_on] or gpus[:1]
+        return node_text.speed_line(where[0], devices=ran_on or {str(where[0])}, rows=speed_rows)
+    except Exception as e:  # the counts must still show
+        log.debug("Triton Accel: speed line for %s: %s: %s", label, type(e).__name__, e)
+        return node_text.NOT_MEASURED
+
+
 def models_status(snapshot: dict | None = None, speed_rows: list[dict] | None = None) -> list[dict]:
-    """Per patched model: its call counts and `speed` (auto's measured speed-up lines)."""
+    """Per loaded model (one label each): its call counts, `speed_line` (one line: measured or
+    expected speed-up) and `speed` (auto's measured speed-up per shape class)."""
     snapshot = snapshot or call_stats.snapshot()
     if speed_rows is None:
         speed_rows = measurements().get("rows", [])
+    devices = visible_devices()
     return [{"label": label, "model_class": m["model_class"],
-             "kinds": {kind: _counts_for_people(c) for kind, c in m["kinds"].items()},
+             "kinds": {kind: _counts_for_people(c, kind) for kind, c in m["kinds"].items()},
+             "speed_line": model_speed_line(label, speed_rows, devices),
              "speed": _speed_lines_of(label, speed_rows)}
             for label, m in snapshot["models"].items()]
 
@@ -152,6 +187,36 @@ def measurements() -> dict:
         log.warning("Triton Accel: auto's measurements could not be read: %s: %s", type(e).__name__, e)
         return {"rows": [], "error": f"{type(e).__name__}: {e}"}
     return {"rows": list(rows)[:MAX_MEASUREMENTS], "original_label": "ComfyUI's attention"}
+
+
+def measurements_note(device_entries: list[dict], rows: list) -> str:
+    """What the measurements section says, true on every device: auto times shapes only on GPUs
+    where it runs our kernels (attention_patch.timed_on)."""
+    if rows:
+        return ""
+    timing = [d for d in device_entries if d.get("device") != "cpu" and (d.get("auto") or {}).get("measured")]
+    if timing:
+        return "None yet: auto times each new shape once, on its first call, on " + \
+            ", ".join(d["device"] for d in timing) + "."
+    if all(d.get("device") == "cpu" for d in device_entries):
+        return "Nothing to measure on a CPU: auto leaves ComfyUI's attention and Linear in place."
+    return "auto times nothing on this machine's GPUs: it keeps ComfyUI's attention there (see Devices)."
+
+
+def header_lines(device_entries: list[dict]) -> list[str]:
+    """The panel's first lines: what auto does on each device, in one line each."""
+    lines = []
+    for d in device_entries:
+        auto, linear = d.get("auto") or {}, d.get("linear_auto") or {}
+        attention = ("ComfyUI's attention" if auto.get("path") in (None, gpu_rules.PATH_PYTORCH)
+                     else f"attention {auto.get('label', auto.get('path'))}")
+        linear_words = ("ComfyUI's Linear" if linear.get("path") in (None, gpu_rules.PATH_PYTORCH)
+                        else f"Linear {linear.get('label', linear.get('path'))}")
+        where = d.get("name") if d.get("name") not in (None, "", d.get("device")) else ""
+        lines.append(f"{d.get('device')}{f' ({where})' if where else ''} in auto: {attention}, {linear_words}")
+    if all(d.get("device") == "cpu" for d in device_entries):
+        lines.append("No GPU here: the nodes pass the model through; an NVIDIA or AMD GPU is needed.")
+    return lines
 
 
 def install_health(report_path: Path | None = None) -> dict:
@@ -238,13 +303,16 @@ def status_payload() -> dict:
     snapshot = call_stats.snapshot()
     measured = measurements()
     devices = visible_devices()
+    device_entries = [device_status(d) for d in devices]
+    measured["note"] = measurements_note(device_entries, measured.get("rows", []))
     return {
         "version": STATUS_VERSION, "pack_version": PACK_VERSION,
         "triton_version": kernels.triton_version(), "torch_version": torch.__version__,
         "handed_back_label": call_stats.HANDED_BACK_LABEL,
-        "devices": [device_status(d) for d in devices],
+        "header": header_lines(device_entries),
+        "devices": device_entries,
         "models": models_status(snapshot, measured.get("rows", [])),
-        "totals": {kind: _counts_for_people(c) for kind, c in snapshot["kinds"].items()},
+        "totals": {kind: _counts_for_people(c, kind) for kind, c in snapshot["kinds"].items()},
         "measurements": measured,
         "linear_measurements": linear_measurements(),
         "install": install_health(),

@@ -456,7 +456,7 @@ def patch_attention(model, settings: AccelSettings | None = None):
     patched = model.clone()
     to = patched.model_options.setdefault("transformer_options", {})
     # Wrap, never erase, an override another node installed: calls we hand back go through it.
-    label = call_stats.new_model_label(type(getattr(model, "model", model)).__name__)
+    label = call_stats.model_label(model)  # one per loaded model: "Flux", "SDXL", "Wan 2.1"
     to[OVERRIDE_KEY] = AttentionOverride(settings, previous=to.get(OVERRIDE_KEY), label=label)
     compiled_ops.add_active_model_wrapper(patched, to[OVERRIDE_KEY].token)
     return patched

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import weakref
 from collections import Counter, OrderedDict
 
 STATS_VERSION = 2
@@ -48,14 +49,93 @@ def _add(counts: dict, served: bool, reason: str | None, path: str | None) -> No
         counts["paths"][path] += 1
 
 
+# ComfyUI's supported_models classes (model.model.model_config) -> the names users know. Names
+# not here are shown as ComfyUI spells them; prefixes cover the variants (WAN21_I2V, ...).
+FAMILY_NAMES = {
+    "SD15": "SD1.5", "SD15_instructpix2pix": "SD1.5", "SD20": "SD2", "SD21UnclipL": "SD2.1 unCLIP",
+    "SD21UnclipH": "SD2.1 unCLIP", "SDXL": "SDXL", "SDXLRefiner": "SDXL Refiner", "SSD1B": "SSD-1B",
+    "SDXL_instructpix2pix": "SDXL", "SD3": "SD3", "Flux": "Flux", "FluxSchnell": "Flux Schnell",
+    "FluxInpaint": "Flux Fill", "Flux2": "Flux 2", "Chroma": "Chroma", "AuraFlow": "AuraFlow",
+    "HiDream": "HiDream", "Lumina2": "Lumina 2", "QwenImage": "Qwen-Image", "LTXV": "LTXV", "LTXAV": "LTX-2",
+    "GenmoMochi": "Mochi", "HunyuanVideo15": "HunyuanVideo 1.5", "HunyuanImage21": "HunyuanImage 2.1",
+    "HunyuanDiT": "HunyuanDiT", "HunyuanDiT1": "HunyuanDiT", "PixArtAlpha": "PixArt-α", "PixArtSigma": "PixArt-Σ",
+    "SVD_img2vid": "SVD", "Stable_Cascade_C": "Stable Cascade", "Stable_Cascade_B": "Stable Cascade",
+    "ZImage": "Z-Image", "Kandinsky5": "Kandinsky 5", "Kandinsky5Image": "Kandinsky 5",
+    "Omnigen2": "OmniGen2", "StableAudio": "Stable Audio", "ACEStep": "ACE-Step", "CogVideoX_T2V": "CogVideoX",
+    # comfy.model_base classes, where a model has no model_config
+    "WAN21": "Wan 2.1", "WAN22": "Wan 2.2", "BaseModel": "Model",
+}
+FAMILY_PREFIXES = (("WAN21", "Wan 2.1"), ("WAN22", "Wan 2.2"), ("HunyuanVideo15", "HunyuanVideo 1.5"),
+                   ("HunyuanVideo", "HunyuanVideo"), ("Cosmos", "Cosmos"), ("CogVideoX", "CogVideoX"),
+                   ("Hunyuan3D", "Hunyuan3D"))
+
+
+def model_family(model) -> str:
+    """The family a ComfyUI model belongs to, as users name it ("Flux", "SDXL", "Wan 2.1"):
+    from its supported_models class (model.model.model_config), else its model_base class.
+    Never raises: an object without these attributes is named by its class."""
+    inner = getattr(model, "model", None)
+    config = getattr(inner, "model_config", None)
+    # The supported_models class first (named as ComfyUI spells it when not mapped), then the
+    # model_base class, then the object's own class.
+    for name in (type(config).__name__ if config is not None else "",
+                 type(inner).__name__ if inner is not None else "", type(model).__name__):
+        if name in FAMILY_NAMES:
+            return FAMILY_NAMES[name]
+        family = next((f for prefix, f in FAMILY_PREFIXES if name.startswith(prefix)), None)
+        if family is not None:
+            return family
+        if name and name not in ("NoneType", "ModelPatcher", "object"):
+            return name
+    return "Model"
+
+
+def _new_label_locked(family: str, taken: set[str]) -> str:
+    number = 1
+    while (label := family if number == 1 else f"{family} #{number}") in taken:
+        number += 1
+    _models[label] = {"model_class": family, "kinds": {}}  # a new model: its counts start at 0
+    _models.move_to_end(label)
+    while len(_models) > MAX_MODELS:
+        _models.popitem(last=False)
+    return label
+
+
 def new_model_label(model_class: str) -> str:
-    """A short label for one patched clone: its model class and a counter ("Flux #2")."""
+    """A new label, never given before in this process, for a model not otherwise known: its
+    family and, from the second on, a number ("Flux", "Flux #2")."""
     with _lock:
         _model_numbers[model_class] += 1
-        label = f"{model_class} #{_model_numbers[model_class]}"
-        _models[label] = {"model_class": model_class, "kinds": {}}
-        while len(_models) > MAX_MODELS:
-            _models.popitem(last=False)
+        return _new_label_locked(model_class, set(_models) | set(_live_labels.values())
+                                 | {f"{model_class} #{n}" if n > 1 else model_class
+                                    for n in range(1, _model_numbers[model_class])})
+
+
+# The loaded model (ComfyUI's BaseModel, which every clone of a ModelPatcher shares) -> its label:
+# one label per loaded model however often its patch nodes run. A model ComfyUI has unloaded
+# gives its label to the next one of its family.
+_live_labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_label(model) -> str:
+    """The label of a ComfyUI model (a ModelPatcher or a clone of it): its family ("Flux"), with
+    a number only while two of that family are loaded ("Flux #2"); the same label every run."""
+    key = getattr(model, "model", None)
+    if key is None:
+        key = model
+    family = model_family(model)
+    with _lock:
+        try:
+            label = _live_labels.get(key)
+        except TypeError:  # not weakly referenceable: a label per call, as before
+            return _new_label_locked(family, set(_models))
+        if label is not None:
+            if label not in _models:  # dropped from the bounded table: back, with fresh counts
+                _models[label] = {"model_class": family, "kinds": {}}
+            _models.move_to_end(label)  # the table lists the most recently patched model last
+            return label
+        label = _new_label_locked(family, set(_live_labels.values()))
+        _live_labels[key] = label
         return label
 
 

@@ -33,10 +33,16 @@ def linear_text(settings: AccelSettings, device) -> str:
     return f"{text}\n{fallbacks}" if fallbacks else text
 
 
-def decision_text(settings: AccelSettings, device) -> str:
-    """The decision for `device` as the node shows it; logged once per node execution at INFO."""
-    text = describe_decision(settings, device)
+def log_decision(settings: AccelSettings, device) -> None:
+    """The attention decision for `device`, logged once per node execution at INFO."""
     log.info("Triton Accel on %s: %s", device, settings.decision_for(device).reason)
+
+
+def decision_text(settings: AccelSettings, device) -> str:
+    """The decision for `device` in full (the nodes show nodes/node_text.py's shorter text);
+    logged once per node execution at INFO."""
+    text = describe_decision(settings, device)
+    log_decision(settings, device)
     return text
 
 

@@ -111,7 +111,7 @@ def patch_linear_layers(model, settings: AccelSettings | None = None, skip: str 
     settings = settings or AccelSettings("auto")
     patterns = SkipPatterns.parse(skip)
     patched = model.clone()
-    label = label or call_stats.new_model_label(type(getattr(model, "model", model)).__name__)
+    label = label or call_stats.model_label(model)
     state = LinearPatchState(settings, patterns, min_tokens, backend, label, dynamic_vram, weight_cast)
     state.interrupt_check = _interrupt_check()
     state.weights_token = getattr(patched, "patches_uuid", None)
@@ -186,6 +186,13 @@ def patched_linear_text(patched, settings: AccelSettings) -> str:
         log.warning("Triton Accel: could not probe device %r for %s: %s: %s", device, state.label,
                     type(e).__name__, e)
         return f"{text}\nLinear: could not probe device {str(device)!r}; each call is decided when it arrives"
+
+
+def dynamic_vram_line(state) -> str:
+    """What streamed layers get, for the node, while ComfyUI's dynamic VRAM is on; "" otherwise."""
+    if state is None or not _dynamic_vram_enabled():
+        return ""
+    return f"ComfyUI's dynamic VRAM is on: {DYNAMIC_VRAM_TEXT.get(state.dynamic_vram, state.dynamic_vram)}"
 
 
 def _dynamic_vram_enabled() -> bool:

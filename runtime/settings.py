@@ -26,6 +26,10 @@ MODE_LABELS = {
     "fp16": "fp16 (FP16/BF16)",
     "off": "off (ComfyUI's attention)",
 }
+# What users type into ComfyUI's node search to find the attention nodes. ComfyUI 0.29's frontend
+# (1.47) ranks by the class id and display name only (then by how often a node is used), so an
+# alias lets a node into the results but ranks it after every node whose title holds the word
+# (tests/nodes/test_ui_search.py replays that ranking).
 SEARCH_ALIASES = ["attention", "sage", "sageattention", "flash", "fp8", "int8", "speed", "fast", "triton",
                   "accelerate", "optimize"]
 

@@ -704,7 +704,7 @@ def test_combined_node_patches_attention_and_linear_under_one_label():
     assert patched.triton_accel_linear.label == override.label
     assert len(patched.object_patches) == 8
     text = result["ui"]["text"][0]
-    assert "8 Linear layers patched, 4 of them skipped by name" in text and "fp8 forced" in text, text
+    assert "8 Linear layers patched (4 skipped by name" in text and "fp8 forced" in text, text
     assert base.object_patches == {} and OVERRIDE_KEY not in base.model_options["transformer_options"]
 
 

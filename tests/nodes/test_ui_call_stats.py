@@ -10,13 +10,62 @@ def _fresh():
     call_stats.reset()
 
 
-def test_labels_are_class_name_and_counter():
+def test_new_labels_are_family_and_never_repeat():
     first = call_stats.new_model_label("Flux")
     second = call_stats.new_model_label("Flux")
-    other = call_stats.new_model_label("WAN21")
-    assert first.startswith("Flux #") and second.startswith("Flux #") and other.startswith("WAN21 #")
-    assert int(second.split("#")[1]) == int(first.split("#")[1]) + 1
+    other = call_stats.new_model_label("Wan 2.1")
+    assert first.split(" #")[0] == second.split(" #")[0] == "Flux" and other.split(" #")[0] == "Wan 2.1"
+    assert first != second
     assert {first, second, other} <= set(call_stats.snapshot()["models"])
+
+
+def _comfy_model(config_class: str, base_class: str = "BaseModel"):
+    """What ComfyUI's ModelPatcher carries: .model (comfy.model_base.<base_class>) whose
+    .model_config is an instance of comfy.supported_models.<config_class>."""
+    inner = type(base_class, (), {})()
+    if config_class:
+        inner.model_config = type(config_class, (), {})()
+    return type("ModelPatcher", (), {"model": inner})()
+
+
+@pytest.mark.parametrize("config_class,base_class,family", [
+    ("SD15", "BaseModel", "SD1.5"), ("SDXL", "SDXL", "SDXL"), ("Flux", "Flux", "Flux"),
+    ("WAN21_T2V", "WAN21", "Wan 2.1"), ("WAN21_I2V", "WAN21", "Wan 2.1"), ("WAN22_T2V", "WAN22", "Wan 2.2"),
+    ("QwenImage", "QwenImage", "Qwen-Image"), ("HunyuanVideoI2V", "HunyuanVideo", "HunyuanVideo"),
+    ("Lumina2", "Lumina2", "Lumina 2"), ("SomeNewModel", "BaseModel", "SomeNewModel"),
+    ("", "WAN21", "Wan 2.1"), ("", "BaseModel", "Model"),
+], ids=lambda v: v or "none")
+def test_labels_name_the_family(config_class, base_class, family):
+    model = _comfy_model(config_class, base_class)
+    assert call_stats.model_family(model) == family
+    assert call_stats.model_label(model).split(" #")[0] == family
+
+
+@pytest.mark.parametrize("model", [None, object(), 3, "text"], ids=["none", "object", "int", "str"])
+def test_family_of_anything_never_raises(model):
+    assert isinstance(call_stats.model_family(model), str) and call_stats.model_family(model)
+
+
+def test_label_stays_for_one_loaded_model_across_runs_and_clones():
+    model = _comfy_model("StableRunsModel")
+    clone = type("ModelPatcher", (), {"model": model.model})()  # ModelPatcher.clone shares .model
+    labels = {call_stats.model_label(model) for _ in range(5)} | {call_stats.model_label(clone)}
+    assert labels == {"StableRunsModel"}
+    assert [k for k in call_stats.snapshot()["models"] if k.startswith("StableRunsModel")] == ["StableRunsModel"]
+
+
+def test_two_loaded_models_of_one_family_get_two_labels_and_a_freed_one_is_reused():
+    import gc
+
+    family = "TwoLoadedModel"  # a family no other test loads
+    first, second = _comfy_model(family), _comfy_model(family)
+    assert (call_stats.model_label(first), call_stats.model_label(second)) == (family, f"{family} #2")
+    call_stats.record("triton", path="triton_fp16", model=family)
+    del first
+    gc.collect()
+    third = _comfy_model(family)
+    assert call_stats.model_label(third) == family  # not #3: numbers do not grow run after run
+    assert call_stats.snapshot()["models"][family]["kinds"] == {}  # the new model starts at 0
 
 
 def test_original_keys_unchanged_and_attention_only():

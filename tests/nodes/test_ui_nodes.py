@@ -13,7 +13,6 @@ from triton_accel.runtime import settings as settings_mod
 from triton_accel.runtime.attention_patch import OVERRIDE_KEY
 from triton_accel.nodes.patch_nodes import TritonAccelPatchAttention
 from triton_accel.runtime.settings import AccelSettings, DeviceChoiceError, device_choices, parse_device, user_facing
-from triton_accel.runtime import decision_text as decision_text_mod
 from triton_accel.nodes.settings_node import TritonAccelSettings
 
 WANTED_ALIASES = {"attention", "sage", "fp8", "int8", "speed", "triton", "accelerate"}
@@ -168,7 +167,7 @@ def test_patch_node_labels_its_clone_and_counts_per_model():
     result = TritonAccelPatchAttention().patch(FakePatcher(), AccelSettings("fp16"))
     patched = result["result"][0]
     (label,) = result["ui"]["triton_accel_model"]
-    assert label.startswith("Flux #")
+    assert label.split(" #")[0] == "Flux"
     (text,) = result["ui"]["text"]
     assert text.startswith(f"{label} on cpu: fp16 forced"), text
     override = patched.model_options["transformer_options"][OVERRIDE_KEY]
@@ -184,7 +183,7 @@ def test_patch_node_with_a_broken_device_still_patches(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("CUDA error: unknown error")
 
-    monkeypatch.setattr(decision_text_mod, "decision_text", broken)  # what patched_model_text calls
+    monkeypatch.setattr(AccelSettings, "decision_for", broken)  # what the node's text asks first
     result = TritonAccelPatchAttention().patch(FakePatcher(), AccelSettings("auto"))
     assert "could not probe device 'cpu'" in result["ui"]["text"][0]
     assert OVERRIDE_KEY in result["result"][0].model_options["transformer_options"]

@@ -99,9 +99,11 @@ def test_status_payload_shape_and_no_kernel_launch(monkeypatch):
     assert device["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
     assert {"path", "label", "reason", "code", "candidates", "overridden"} <= set(device["auto"])
     (model,) = [m for m in payload["models"] if m["label"] == label]
+    reason = "low_precision_attention=False with float32 inputs"
     assert model["kinds"]["attention"] == {
-        "served": 1, "handed_back": 1, "paths": {"triton_fp16": 1},
-        "reasons": [{"reason": "low_precision_attention=False with float32 inputs", "calls": 1}]}
+        "served": 1, "handed_back": 1, "paths": {"triton_fp16": 1}, "kind_label": "attention",
+        "reasons": [{"reason": reason, "plain": reason, "calls": 1}]}
+    assert model["speed_line"].startswith("speed-up: ")
     assert isinstance(payload["benchmark"]["found"], bool)
 
 
@@ -197,3 +199,67 @@ def test_startup_line_per_gpu(monkeypatch, facts, expected):
     line = status.startup_line()
     assert expected in line, line
     assert seen == [False]  # the load line never runs the self-check kernel
+
+
+def _cpu_only(monkeypatch):
+    monkeypatch.setattr(status, "visible_devices", lambda: [torch.device("cpu")])
+
+
+def test_panel_on_a_cpu_says_what_is_true_there(monkeypatch):
+    _cpu_only(monkeypatch)
+    monkeypatch.setattr(speed_choice, "speed_summary", lambda: [], raising=False)
+    call_stats.reset()
+    payload = status.status_payload()
+    note = payload["measurements"]["note"]
+    assert "Nothing to measure on a CPU" in note and "first call" not in note, note
+    assert payload["header"][0].startswith("cpu in auto: ComfyUI's attention, ComfyUI's Linear"), payload["header"]
+    assert "an NVIDIA or AMD GPU is needed" in payload["header"][-1]
+    label = call_stats.new_model_label("SD1.5")
+    (model,) = [m for m in status.models_status() if m["label"] == label]
+    assert model["speed_line"].startswith("speed-up: none on a CPU"), model
+
+
+def test_measurement_note_on_a_gpu_that_times_and_on_one_that_does_not():
+    gpu = {"device": "cuda:0", "auto": {"measured": True}}
+    assert "first call" in status.measurements_note([gpu], [])
+    assert "times nothing" in status.measurements_note([{"device": "cuda:0", "auto": {"measured": False}}], [])
+    assert status.measurements_note([gpu], [{"row": 1}]) == ""
+
+
+def test_reasons_in_plain_words_and_kinds_named():
+    from triton_accel.runtime import step_graph
+
+    call_stats.reset()
+    label = call_stats.new_model_label("Flux")
+    for _ in range(2):
+        call_stats.record("original", step_graph.REASON_NOT_CUDA, kind=step_graph.KIND, model=label)
+    (model,) = [m for m in status.models_status() if m["label"] == label]
+    graph = model["kinds"][step_graph.KIND]
+    assert graph["kind_label"] == "whole-step replay (CUDA graphs)"
+    (reason,) = graph["reasons"]
+    assert reason["reason"] == step_graph.REASON_NOT_CUDA and reason["calls"] == 2  # the recorded text stays
+    assert "CUDA call" not in reason["plain"] and "CPU" in reason["plain"]
+
+
+def test_one_panel_entry_per_loaded_model_however_often_it_runs(monkeypatch):
+    _cpu_only(monkeypatch)
+    from triton_accel.nodes.patch_nodes import TritonAccelPatchAttention
+
+    class Inner:
+        pass
+
+    class Patcher:
+        def __init__(self, model):
+            self.model, self.model_options, self.load_device = model, {"transformer_options": {}}, torch.device("cpu")
+
+        def clone(self):
+            return Patcher(self.model)
+
+    call_stats.reset()
+    model = Patcher(Inner())
+    model.model.model_config = type("WAN21_T2V", (), {})()
+    before = [m["label"] for m in status.models_status()]
+    shown = {TritonAccelPatchAttention().patch(model)["ui"]["triton_accel_model"][0] for _ in range(5)}
+    labels = [m["label"] for m in status.models_status()]
+    assert len(shown) == 1 and shown.pop().split(" #")[0] == "Wan 2.1"
+    assert len(set(labels) - set(before)) <= 1 and len(labels) == len(set(labels)), labels

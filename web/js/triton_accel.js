@@ -3,14 +3,18 @@
 // - the decision text of the Settings / patch nodes, sized to its lines in the classic canvas
 //   and in Nodes 2.0, kept with the workflow (node.properties) so a reload shows it again;
 // - mode labels that say what each stored value means (fp16 runs FP16 and BF16);
-// - the "Triton Accel" side panel: /triton_accel/status (devices, paths, per-model call counts,
+// - after each run, the calls served / handed back of each patched model on its Patch, Attention and
+//   Linear nodes, with its speed-up line;
+// - the "Triton Accel" side panel: /triton_accel/status (a header, devices, one entry per loaded model,
 //   auto's measurements, other packs' attention and Linear extensions, install health, the last benchmark chart).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const WIDGET = "triton_accel_decision";
 const PROPERTY = "triton_accel_decision"; // saved in the workflow, shown again after a reload
-const MODEL_PROPERTY = "triton_accel_model"; // the patched clone's label, to show its call counts
+const MODEL_PROPERTY = "triton_accel_model"; // the patched model's label, to show its call counts
+const KINDS_PROPERTY = "triton_accel_kinds"; // what the node installed: "attention", "linear"
+const KIND_TITLES = { attention: "attention", linear: "Linear" };
 const STATUS_URL = "/triton_accel/status";
 const TAB_ID = "triton-accel";
 const NODE_PREFIX = "TritonAccel";
@@ -24,6 +28,7 @@ const STYLE = `
 .triton-accel-decision.triton-accel-table { overflow-wrap: normal; }
 .triton-accel-panel { padding: 8px 10px; font-size: 12px; line-height: 1.4; overflow-y: auto; height: 100%;
   box-sizing: border-box; color: var(--fg-color, #ddd); }
+.triton-accel-panel h2 { font-size: 15px; margin: 0 0 2px; }
 .triton-accel-panel h3 { font-size: 13px; margin: 12px 0 4px; }
 .triton-accel-panel .ta-muted { opacity: 0.7; }
 .triton-accel-panel .ta-box { border: 1px solid var(--border-color, #444); border-radius: 4px; padding: 6px;
@@ -138,16 +143,33 @@ function messageText(message) {
 
 // ---- patched models: their call counts under the decision ----------------------------------
 
-function countsLine(model) {
-    const parts = [];
-    for (const [kind, c] of Object.entries(model?.kinds ?? {})) {
+// The node's calls line: served / handed back for each kind the node installed (attention,
+// Linear: 0 until a call arrives), on the Patch, Attention and Linear nodes alike.
+function countsLine(model, kinds) {
+    const calls = (n) => `${n} call${n === 1 ? "" : "s"}`;
+    const parts = (kinds?.length ? kinds : ["attention", "linear"]).map((kind) => {
+        const c = model?.kinds?.[kind] ?? { served: 0, handed_back: 0, paths: {} };
         const paths = Object.keys(c.paths ?? {}).join(", ");
-        const calls = (n) => `${n} call${n === 1 ? "" : "s"}`;
-        parts.push(`${kind}: ${calls(c.served)} served${paths ? ` (${paths})` : ""}, ${c.handed_back} handed back`);
-    }
-    const head = parts.length ? `${model.label}: ${parts.join("; ")}` : `${model.label}: no calls yet`;
-    // auto's measured speed-up per shape class on this model's device (at most ~6 lines, server-side)
-    return [head, ...(model?.speed ?? [])].join("\n");
+        return `${KIND_TITLES[kind] ?? kind}: ${calls(c.served)} served${paths ? ` (${paths})` : ""}, ` +
+            `${c.handed_back} handed back`;
+    });
+    return parts.join("; ");
+}
+
+// The node's text after a run: its own lines, the speed-up line the server has now for the model
+// (replacing the one written when the node ran) and the calls line.
+function patchedNodeText(base, model, kinds) {
+    const lines = String(base ?? "").split("\n--\n")[0].split("\n");
+    const speed = model?.speed_line;
+    const measured = speed && speed !== "speed-up: not measured yet";
+    // The next step "run a generation ... to measure" is done once the server has a speed-up.
+    const own = speed ? lines.filter((line) => !line.startsWith("speed-up:") &&
+                                               !(measured && line.startsWith("next: run a generation"))) : lines;
+    const at = own.findIndex((line) => line.startsWith("next:") || line.startsWith("installs:"));
+    const extra = speed ? [speed] : [];
+    if (at < 0) own.push(...extra);
+    else own.splice(at, 0, ...extra);
+    return `${own.join("\n")}\n--\n${countsLine(model, kinds)}`;
 }
 
 async function fetchStatus() {
@@ -162,8 +184,7 @@ async function refreshPatchedNodes(status) {
         const label = node.properties?.[MODEL_PROPERTY];
         const model = label && models.get(label);
         if (!model) continue;
-        const base = String(node.properties[PROPERTY] ?? "").split("\n--\n")[0];
-        showText(node, `${base}\n--\n${countsLine(model)}`);
+        showText(node, patchedNodeText(node.properties[PROPERTY], model, node.properties[KINDS_PROPERTY]));
     }
 }
 
@@ -207,6 +228,8 @@ function renderDevices(root, status) {
     }
 }
 
+// One box per loaded model: its calls per kind, its speed-up line and why calls were handed
+// back, each reason once (in plain words; the recorded text is the tooltip).
 function renderModels(root, status) {
     root.appendChild(el("h3", "Patched models"));
     const models = status.models ?? [];
@@ -214,18 +237,35 @@ function renderModels(root, status) {
         root.appendChild(el("div", "No model patched since the server started.", "ta-muted"));
         return;
     }
-    const rows = [];
-    const reasons = [];
     for (const m of models) {
-        for (const [kind, c] of Object.entries(m.kinds ?? {})) {
-            rows.push([m.label, kind, c.served, c.handed_back]);
-            for (const r of c.reasons ?? []) reasons.push(`${m.label}, ${kind}: ${r.calls}× ${r.reason}`);
+        const box = el("div", null, "ta-box");
+        box.dataset.tritonAccelModel = m.label;
+        box.appendChild(el("div", m.label));
+        const kinds = Object.entries(m.kinds ?? {});
+        if (kinds.length) {
+            box.appendChild(table(["", "served", status.handed_back_label ?? "handed back"],
+                                  kinds.map(([kind, c]) => [c.kind_label ?? kind, c.served, c.handed_back])));
+        } else {
+            box.appendChild(el("div", "no calls yet", "ta-muted"));
         }
-        if (!Object.keys(m.kinds ?? {}).length) rows.push([m.label, "no calls yet", 0, 0]);
+        if (m.speed_line) box.appendChild(el("div", m.speed_line));
+        const seen = new Map();
+        for (const [kind, c] of kinds) {
+            for (const r of c.reasons ?? []) {
+                const key = `${c.kind_label ?? kind}: ${r.plain ?? r.reason}`;
+                const entry = seen.get(key) ?? { calls: 0, raw: r.reason };
+                entry.calls += r.calls;
+                seen.set(key, entry);
+            }
+        }
+        if (seen.size) box.appendChild(el("div", "Why calls were handed back:", "ta-muted"));
+        for (const [text, { calls, raw }] of seen) {
+            const line = el("div", `${text} (${calls} call${calls === 1 ? "" : "s"})`, "ta-fix");
+            line.title = raw;
+            box.appendChild(line);
+        }
+        root.appendChild(box);
     }
-    root.appendChild(table(["model", "kind", "served", status.handed_back_label ?? "handed back"], rows));
-    if (reasons.length) root.appendChild(el("div", "Why calls were handed back:", "ta-muted"));
-    for (const line of reasons) root.appendChild(el("div", line, "ta-fix"));
 }
 
 function renderMeasurements(root, status) {
@@ -233,7 +273,7 @@ function renderMeasurements(root, status) {
     root.appendChild(el("h3", "auto's measurements"));
     const original = status.measurements?.original_label ?? "ComfyUI";
     if (!rows.length) {
-        root.appendChild(el("div", "None yet: auto times each new shape once, on its first call.", "ta-muted"));
+        root.appendChild(el("div", status.measurements?.note || "None yet.", "ta-muted"));
     } else {
         root.appendChild(table(["shape class", "kept", "timings (ms)", `vs ${original}`], rows.map((r) => [
             r.shape_class, r.choice === "original" ? original : r.choice,
@@ -320,6 +360,14 @@ function renderInstall(root, status) {
     if (install.written) root.appendChild(el("div", `install.py ran ${install.written}`, "ta-muted"));
 }
 
+// "7 Dec 2025, 18:04" in the browser's language and time zone; the text as it came otherwise.
+function readableTime(iso) {
+    if (!iso) return "";
+    const moment = new Date(iso);
+    if (Number.isNaN(moment.getTime())) return String(iso);
+    return moment.toLocaleString(undefined, { dateStyle: "medium", timeStyle: "short" });
+}
+
 function renderBenchmark(root, status) {
     const bench = status.benchmark ?? {};
     if (!bench.found) return; // nothing to show until the Benchmark node has run
@@ -328,7 +376,8 @@ function renderBenchmark(root, status) {
     section.appendChild(el("h3", "Last benchmark"));
     const result = bench.result ?? {};
     const where = [result.source, result.device_name || result.device].filter(Boolean).join(" on ");
-    if (where || result.created) section.appendChild(el("div", `${where}${result.created ? `, ${result.created}` : ""}`, "ta-muted"));
+    const when = readableTime(result.created);
+    if (where || when) section.appendChild(el("div", `${where}${when ? `, ${when}` : ""}`, "ta-muted"));
     const both = result.summary?.both;
     if (typeof both?.speedup === "number") {
         section.appendChild(el("div", `attention + Linear at the recorded shapes: ${both.speedup.toFixed(2)}× PyTorch`));
@@ -365,8 +414,10 @@ async function renderPanel(root) {
     const content = document.createDocumentFragment();
     const refresh = el("button", "Refresh");
     refresh.onclick = () => renderPanel(root);
-    content.appendChild(el("div", `Triton Accel ${status.pack_version} · Triton ${status.triton_version ?? "not installed"}` +
-                                  ` · torch ${status.torch_version}`));
+    content.appendChild(el("h2", "Triton Accel"));
+    content.appendChild(el("div", `version ${status.pack_version} · Triton ${status.triton_version ?? "not installed"}` +
+                                  ` · torch ${status.torch_version}`, "ta-muted"));
+    for (const line of status.header ?? []) content.appendChild(el("div", line));
     content.appendChild(refresh);
     for (const section of [renderDevices, renderModels, renderMeasurements, renderExtensions, renderInstall,
                            renderBenchmark]) {
@@ -454,6 +505,8 @@ app.registerExtension({
             const model = message?.[MODEL_PROPERTY];
             this.properties = this.properties ?? {};
             if (model) this.properties[MODEL_PROPERTY] = Array.isArray(model) ? model[0] : String(model);
+            const kinds = message?.[KINDS_PROPERTY];
+            if (kinds) this.properties[KINDS_PROPERTY] = Array.isArray(kinds) ? kinds.map(String) : [String(kinds)];
             showText(this, text, message?.images?.length ? IMAGE_ROOM : 0);
         };
     },
