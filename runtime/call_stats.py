@@ -157,7 +157,7 @@ def record(outcome: str, reason: str | None = None, path: str | None = None, *,
            kind: str = KIND_ATTENTION, model: str | None = None) -> None:
     """outcome: "triton" (served by one of our kernels, `path` says which) or "original".
 
-    kind: "attention" or "linear"; model: the label from new_model_label(), when known.
+    kind: "attention" or "linear"; model: the label from model_label() (or new_model_label()), when known.
     """
     if _MUTED.get():
         return
